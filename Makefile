@@ -1,0 +1,53 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Everything else is a step of them.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PROTO  := protos/weightcache/v1/weight_cache_service.proto
+GEN    := client/weightcache/v1
+
+.PHONY: setup protos check-protos lint test demo bench clean
+
+# torch first, pinned to the release this project is tested with: asked for by a dependency
+# with a loose range, pip would pull a multi-GB CUDA build instead.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev,demo]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+define gen_protos
+	mkdir -p $(1)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_out=$(1) --grpc_python_out=$(1) $(PROTO)
+endef
+
+protos: $(STAMP)
+	$(call gen_protos,client)
+
+# Fails when the committed stubs differ from what the proto generates now.
+check-protos: $(STAMP)
+	rm -rf .protos-check && $(call gen_protos,.protos-check)
+	diff -r -x __pycache__ -x __init__.py .protos-check/weightcache/v1 $(GEN) \
+		|| { echo "generated stubs are stale: run 'make protos' and commit"; rm -rf .protos-check; exit 1; }
+	rm -rf .protos-check
+
+lint: $(STAMP)
+	$(VENV)/bin/buf lint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: $(STAMP) check-protos lint
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(PY) demo/demo.py
+
+bench: $(STAMP)
+	$(PY) bench/attach_vs_disk.py
+
+clean:
+	rm -rf $(VENV) .protos-check .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The weightcache daemon: serves preloaded weights over gRPC (see ``weightcache_service.cli``)."""

@@ -1,0 +1,134 @@
+"""Arenas: one contiguous allocation per model, tensors 256-byte aligned.
+
+The CPU backend allocates the arena as a file in ``/dev/shm`` created ``O_EXCL`` with mode
+0600 and a random name, reserved with ``posix_fallocate`` so that running out of
+shared memory fails the load with ENOSPC instead of a SIGBUS in the middle of a write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from weightcache._dtypes import TORCH_DTYPES
+from weightcache._errors import ResourceExhaustedError
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+ALIGNMENT = 256
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "weightcache-"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives in an arena."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    byte_offset: int
+    nbytes: int
+
+    def view(self) -> pb.TensorView:
+        """The slot as a wire TensorView (row-major contiguous strides)."""
+        stride = [math.prod(self.shape[i + 1 :]) for i in range(len(self.shape))]
+        return pb.TensorView(
+            name=self.name,
+            dtype=self.dtype,
+            shape=list(self.shape),
+            stride=stride,
+            byte_offset=self.byte_offset,
+        )
+
+
+def align(offset: int) -> int:
+    """``offset`` rounded up to the arena alignment (256 bytes)."""
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def plan_slots(specs: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[list[Slot], int]:
+    """Lay out tensors ``(name, dtype, shape)`` back to back, each 256-byte aligned.
+
+    Returns the slots and the arena size in bytes (at least one alignment unit, since an
+    empty mapping cannot be created).
+    """
+    slots = []
+    cursor = 0
+    for name, dtype, shape in specs:
+        nbytes = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
+        offset = align(cursor)
+        slots.append(Slot(name, dtype, shape, offset, nbytes))
+        cursor = offset + nbytes
+    return slots, max(align(cursor), ALIGNMENT)
+
+
+class SharedMemoryArena:
+    """A model's arena in a ``/dev/shm`` file, mapped read-write by the daemon.
+
+    Args:
+        size: bytes, a multiple of 256.
+        prefix: name prefix, ``weightcache-<socket tag>-<instance id>-``; a random
+            component follows.
+
+    Raises:
+        ResourceExhaustedError: /dev/shm has no room for ``size`` bytes.
+    """
+
+    def __init__(self, size: int, prefix: str) -> None:
+        self.size = size
+        self.path = os.path.join(SHM_DIR, f"{prefix}{secrets.token_hex(8)}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            os.unlink(self.path)
+            raise ResourceExhaustedError(
+                f"cannot allocate {size} bytes in {SHM_DIR}: {exc.strerror}"
+            ) from None
+        finally:
+            os.close(fd)
+        self._base = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def write(self, slot: Slot, tensor: torch.Tensor) -> None:
+        """Copy ``tensor``'s bytes into its slot (dtype and shape must match the slot)."""
+        if slot.nbytes == 0:
+            return
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+        self._base[slot.byte_offset : slot.byte_offset + slot.nbytes].copy_(raw)
+
+    def handle(self) -> pb.StorageHandle:
+        """The wire handle a worker opens."""
+        return pb.StorageHandle(shared_memory=pb.SharedMemoryHandle(path=self.path, size=self.size))
+
+    def close(self) -> None:
+        """Unmap and unlink. Workers that mapped it keep their pages (mmap(2))."""
+        del self._base
+        self._mmap.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def remove_stale_segments(tag: str, keep_prefix: str) -> list[str]:
+    """Unlink ``weightcache-<tag>-*`` segments left by an earlier daemon on the same socket.
+
+    Only the holder of the socket's lock may call this. Segments whose name starts with
+    ``keep_prefix`` (this instance's) are kept.
+    """
+    removed = []
+    start = f"{SEGMENT_PREFIX}{tag}-"
+    for entry in os.scandir(SHM_DIR):
+        if entry.name.startswith(start) and not entry.name.startswith(keep_prefix):
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.path)
+            except FileNotFoundError:
+                pass
+    return removed

@@ -1,0 +1,203 @@
+"""The ``weightcache`` command.
+
+Subcommands:
+
+- ``preload MODEL_DIR... [--socket PATH] [--dtype D]``: run the daemon in the foreground,
+  loading each checkpoint at start. Stops cleanly on SIGTERM or SIGINT.
+- ``ls``: the models held, their state, bytes and leases.
+- ``health``: exit 0 only when the daemon is ready (usable as an exec probe).
+- ``info``: versions, backend and memory of the daemon.
+- ``evict NAME [--force]``: drop a model.
+
+Every client subcommand takes ``--socket`` (default ``$WEIGHTCACHE_SOCKET``, then the
+per-user default path) and exits 1 with the daemon's reason when a request fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from weightcache._errors import WeightCacheError
+from weightcache._fingerprint import LEVELS, Level
+from weightcache._recipe import Placement, Recipe, parse_dtype
+from weightcache._rpc import call, connect, default_socket, target
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.server import (
+    SERVICE_NAME,
+    DaemonConfig,
+    StartupError,
+    model_roots,
+    run_daemon,
+)
+from weightcache_service.service import ServiceOptions
+from weightcache_service.socket_lock import SocketInUseError
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+def configure_logging(fmt: str = "console") -> None:
+    """Send structlog output to stderr as console lines or JSON."""
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightcache", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    daemon = sub.add_parser("preload", help="run the daemon, preloading checkpoints")
+    daemon.add_argument("models", nargs="*", metavar="MODEL_DIR")
+    daemon.add_argument("--socket", default=None)
+    daemon.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32")
+    daemon.add_argument("--fingerprint-level", choices=LEVELS, default="sampled")
+    daemon.add_argument("--allow-remote-preload", action="store_true", help="accept Preload RPCs")
+    daemon.add_argument(
+        "--model-root", action="append", default=[], help="folder remote Preload may read"
+    )
+    daemon.add_argument("--revoke-timeout", type=float, default=30.0, metavar="SECONDS")
+    daemon.add_argument("--log-format", choices=("console", "json"), default="console")
+
+    for name, text in (
+        ("ls", "list models"),
+        ("health", "exit 0 when ready"),
+        ("info", "daemon versions and memory"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--socket", default=None)
+        cmd.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    evict = sub.add_parser("evict", help="drop a model")
+    evict.add_argument("name")
+    evict.add_argument("--force", action="store_true")
+    evict.add_argument("--socket", default=None)
+    evict.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``weightcache`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    socket = args.socket or default_socket()
+    if args.command == "preload":
+        return _preload(args, socket)
+    if args.command == "health":
+        return _health(socket, args.timeout)
+    try:
+        if args.command == "ls":
+            return _ls(socket, args.timeout)
+        if args.command == "info":
+            return _info(socket, args.timeout)
+        return _evict(socket, args.name, args.force, args.timeout)
+    except WeightCacheError as err:
+        print(f"weightcache {args.command}: {err.reason}: {err.detail}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _preload(args: argparse.Namespace, socket: str) -> int:
+    configure_logging(args.log_format)
+    level: Level = args.fingerprint_level
+    try:
+        config = DaemonConfig(
+            socket=socket,
+            preload=list(args.models),
+            recipe=Recipe(dtype=parse_dtype(args.dtype)),
+            placement=Placement(),
+            fingerprint_level=level,
+            options=ServiceOptions(
+                allow_remote_preload=args.allow_remote_preload,
+                model_roots=model_roots(args.model_root),
+                revoke_timeout=args.revoke_timeout,
+            ),
+        )
+        run_daemon(config)
+    except (StartupError, SocketInUseError, WeightCacheError) as err:
+        print(f"weightcache preload: {err}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
+    return 0
+
+
+def _health(socket: str, timeout: float) -> int:
+    try:
+        with grpc.insecure_channel(target(socket)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+    except grpc.RpcError as exc:
+        print(f"weightcache health: not serving: {exc.code().name}", file=sys.stderr)
+        return EXIT_FAILURE
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(name)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
+
+
+def _ls(socket: str, timeout: float) -> int:
+    channel, stub = connect(socket)
+    with channel:
+        reply = call(lambda: stub.ListModels(pb.ListModelsRequest(), timeout=timeout))
+    rows = [("NAME", "STATE", "BYTES", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT")]
+    for m in reply.models:
+        state = pb.ModelState.Name(m.state).removeprefix("MODEL_STATE_")
+        rows.append(
+            (
+                m.name,
+                state,
+                str(m.size_bytes),
+                str(m.tensor_count),
+                str(m.lease_count),
+                m.recipe.dtype or "-",
+                m.fingerprint.digest[:16],
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _info(socket: str, timeout: float) -> int:
+    channel, stub = connect(socket)
+    with channel:
+        reply = call(lambda: stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout))
+    for key in (
+        "version",
+        "protocol_version",
+        "torch_version",
+        "backend",
+        "device",
+        "memory_held_bytes",
+        "memory_budget_bytes",
+        "instance_id",
+    ):
+        print(f"{key}: {getattr(reply, key)}")
+    return 0
+
+
+def _evict(socket: str, name: str, force: bool, timeout: float) -> int:
+    channel, stub = connect(socket)
+    with channel:
+        call(lambda: stub.Evict(pb.EvictRequest(name=name, force=force), timeout=timeout))
+    print(f"evicted {name}" if not force else f"evicting {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The daemon's lease table: grant, renew over KeepAlive sessions, release, expire.
+
+Times are read from an injected clock (monotonic seconds), so TTL behaviour is tested by
+advancing a fake clock instead of sleeping. A lease ends on Release, when the KeepAlive
+stream it was bound to closes (the worker died), or when its TTL passes unrenewed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Clock = Callable[[], float]
+
+DEFAULT_TTL = 10.0
+MIN_TTL = 1.0
+MAX_TTL = 300.0
+
+
+@dataclass
+class Lease:
+    """One live lease.
+
+    Attributes:
+        lease_id: opaque id, unique across daemon instances.
+        model: name of the model leased.
+        ttl: seconds granted after clamping.
+        expire_at: clock reading after which the lease ends unless renewed.
+        request_id: the Acquire request that created it (for idempotent retries).
+        pid: the worker's pid as it reported it.
+        session: id of the KeepAlive stream the lease is bound to, once named on one.
+        revoke_deadline: clock reading at which a revoked lease's memory is freed.
+    """
+
+    lease_id: str
+    model: str
+    ttl: float
+    expire_at: float
+    request_id: str
+    pid: int
+    session: int | None = None
+    revoke_deadline: float | None = None
+
+
+@dataclass
+class LeaseTable:
+    """All live leases of one daemon instance.
+
+    Args:
+        clock: monotonic seconds; ``time.monotonic`` unless a test injects one.
+        min_ttl, max_ttl: bounds a requested TTL is clamped to, in seconds.
+        default_ttl: TTL for a request that names none, in seconds.
+    """
+
+    clock: Clock = time.monotonic
+    min_ttl: float = MIN_TTL
+    max_ttl: float = MAX_TTL
+    default_ttl: float = DEFAULT_TTL
+    _leases: dict[str, Lease] = field(default_factory=dict)
+    _by_request: dict[str, str] = field(default_factory=dict)
+    _session_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def clamp(self, ttl: float | None) -> float:
+        """The TTL granted for a requested one (``None`` or ``<= 0``: the default)."""
+        if ttl is None or ttl <= 0:
+            return self.default_ttl
+        return min(max(ttl, self.min_ttl), self.max_ttl)
+
+    def grant(self, model: str, ttl: float | None, request_id: str, pid: int) -> Lease:
+        """Grant a lease, or return the live one an earlier call with ``request_id`` granted."""
+        existing = self._by_request.get(request_id)
+        if request_id and existing in self._leases:
+            return self._leases[existing]
+        granted = self.clamp(ttl)
+        lease = Lease(
+            lease_id=secrets.token_hex(16),
+            model=model,
+            ttl=granted,
+            expire_at=self.clock() + granted,
+            request_id=request_id,
+            pid=pid,
+        )
+        self._leases[lease.lease_id] = lease
+        if request_id:
+            self._by_request[request_id] = lease.lease_id
+        return lease
+
+    def get(self, lease_id: str) -> Lease | None:
+        """The live lease with this id, or ``None``."""
+        return self._leases.get(lease_id)
+
+    def open_session(self) -> int:
+        """A fresh id for a KeepAlive stream."""
+        return next(self._session_ids)
+
+    def renew(self, lease_id: str, session: int) -> Lease | None:
+        """Extend a live lease by its TTL and bind it to ``session``; ``None`` if unknown."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return None
+        lease.expire_at = self.clock() + lease.ttl
+        lease.session = session
+        return lease
+
+    def release(self, lease_id: str) -> Lease | None:
+        """End a lease; returns it, or ``None`` when it was not live (idempotent)."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None and self._by_request.get(lease.request_id) == lease_id:
+            del self._by_request[lease.request_id]
+        return lease
+
+    def end_session(self, session: int) -> list[Lease]:
+        """End every lease bound to a KeepAlive stream that closed."""
+        ended = [lease for lease in self._leases.values() if lease.session == session]
+        for lease in ended:
+            self.release(lease.lease_id)
+        return ended
+
+    def reap(self) -> list[Lease]:
+        """End and return every lease whose TTL, or revoke deadline, has passed."""
+        now = self.clock()
+        expired = [
+            lease
+            for lease in self._leases.values()
+            if lease.expire_at <= now
+            or (lease.revoke_deadline is not None and lease.revoke_deadline <= now)
+        ]
+        for lease in expired:
+            self.release(lease.lease_id)
+        return expired
+
+    def for_model(self, model: str) -> list[Lease]:
+        """Live leases on a model."""
+        return [lease for lease in self._leases.values() if lease.model == model]
+
+    def revoke(self, model: str, deadline: float) -> list[Lease]:
+        """Mark every lease on ``model`` as revoking at ``deadline`` (clock seconds)."""
+        leases = self.for_model(model)
+        for lease in leases:
+            lease.revoke_deadline = deadline
+        return leases
+
+    def __len__(self) -> int:
+        return len(self._leases)

@@ -1,0 +1,237 @@
+"""The daemon process: grpc.aio server on a Unix socket, health, reflection, shutdown.
+
+Health (``grpc.health.v1``): service ``""`` is SERVING once the socket is bound; service
+``weightcache.v1.WeightCacheService`` is SERVING once every start-up preload has ended,
+and NOT_SERVING again while shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import stat
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from grpc_reflection.v1alpha import reflection
+
+from weightcache._errors import WeightCacheError
+from weightcache._fingerprint import Level
+from weightcache._recipe import Placement, Recipe
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service.arena import SEGMENT_PREFIX, remove_stale_segments
+from weightcache_service.leases import LeaseTable
+from weightcache_service.service import ServiceOptions, WeightCacheService
+from weightcache_service.socket_lock import SocketLock
+from weightcache_service.store import Store
+
+log = structlog.get_logger("weightcache.daemon")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
+#: sockaddr_un.sun_path is 108 bytes including the terminating NUL (unix(7)).
+MAX_SOCKET_PATH = 107
+REAP_INTERVAL = 0.2
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start: bad socket path, or the socket is already served."""
+
+
+@dataclass
+class DaemonConfig:
+    """Everything the daemon is started with.
+
+    Attributes:
+        socket: Unix socket path.
+        preload: checkpoint folders to load at start.
+        recipe: recipe for the start-up preloads.
+        placement: placement for the start-up preloads.
+        fingerprint_level: content level for the start-up preloads.
+        options: permissions for remote requests.
+        grace: seconds in-flight RPCs get at shutdown.
+    """
+
+    socket: str
+    preload: list[str] = field(default_factory=list)
+    recipe: Recipe = field(default_factory=Recipe)
+    placement: Placement = field(default_factory=Placement)
+    fingerprint_level: Level = "sampled"
+    options: ServiceOptions = field(default_factory=ServiceOptions)
+    grace: float = 1.0
+
+
+def socket_tag(socket: str) -> str:
+    """Short stable tag of a socket path, used in its daemons' segment names."""
+    return hashlib.sha256(os.path.realpath(socket).encode()).hexdigest()[:12]
+
+
+def _prepare_socket_dir(socket: str) -> None:
+    if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
+        raise StartupError(f"socket path is over {MAX_SOCKET_PATH} bytes: {socket}")
+    parent = os.path.dirname(os.path.abspath(socket))
+    if not os.path.lexists(parent):
+        os.makedirs(parent, mode=0o700)
+    info = os.lstat(parent)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise StartupError(f"socket directory {parent} is a symlink or not a directory")
+    if info.st_uid != os.geteuid():
+        raise StartupError(f"socket directory {parent} is owned by uid {info.st_uid}, not us")
+
+
+class Daemon:
+    """One daemon: call :meth:`run` from an event loop; :meth:`stop` ends it."""
+
+    def __init__(self, config: DaemonConfig, leases: LeaseTable | None = None) -> None:
+        self.config = config
+        self.instance_id = uuid.uuid4().hex
+        tag = socket_tag(config.socket)
+        self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-"
+        self._tag = tag
+        self.store = Store(self._segment_prefix)
+        self.service = WeightCacheService(
+            self.store, leases or LeaseTable(), config.options, self.instance_id
+        )
+        self.health = health_aio.HealthServicer()
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        """Ask the daemon to shut down (signal-handler safe)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until :meth:`stop`; then free every arena, remove the socket, unlock.
+
+        Raises:
+            StartupError: the socket path is unusable.
+            SocketInUseError: another daemon serves the socket.
+        """
+        socket = self.config.socket
+        _prepare_socket_dir(socket)
+        lock = SocketLock(socket)
+        try:
+            self._clean_after_predecessor(socket)
+            server = await self._start_server(socket)
+            try:
+                await self._serve()
+            finally:
+                await self._shutdown(server)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket)
+            lock.release()
+
+    def _clean_after_predecessor(self, socket: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket)  # we hold the lock: whoever bound it is gone
+        for path in remove_stale_segments(self._tag, self._segment_prefix):
+            log.warning("removed a dead daemon's segment", path=path)
+
+    async def _start_server(self, socket: str) -> grpc.aio.Server:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        pb_grpc.add_WeightCacheServiceServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
+        try:
+            server.add_insecure_port("unix:" + os.path.abspath(socket))
+            await server.start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(socket, 0o600)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("listening", socket=socket, instance=self.instance_id[:12], pid=os.getpid())
+        return server
+
+    async def _serve(self) -> None:
+        reaper = asyncio.create_task(self._reap_forever())
+        startup = asyncio.create_task(self._preload_startup())
+        try:
+            await self._stop.wait()
+        finally:
+            startup.cancel()
+            reaper.cancel()
+            await asyncio.gather(startup, reaper, return_exceptions=True)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL)
+            self.service.reap()
+
+    async def _preload_startup(self) -> None:
+        cfg = self.config
+        tasks = []
+        for path in cfg.preload:
+            try:
+                _, task = await self.service.begin_load(
+                    path, cfg.recipe, cfg.placement, cfg.fingerprint_level
+                )
+                tasks.append(task)
+            except WeightCacheError as err:
+                log.error("cannot preload", path=path, reason=err.reason, error=err.detail)
+        await asyncio.gather(*(asyncio.shield(task) for task in tasks))
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        entries = self.store.entries()
+        ready = [e for e in entries if e.state == pb.MODEL_STATE_READY]
+        log.info(
+            "ready",
+            socket=cfg.socket,
+            models=len(ready),
+            failed=len(entries) - len(ready),
+            bytes=self.store.held_bytes(),
+        )
+
+    async def _shutdown(self, server: grpc.aio.Server) -> None:
+        log.info("shutting down", leases=len(self.service.leases))
+        self.service.draining = True
+        await self.health.enter_graceful_shutdown()
+        await server.stop(self.config.grace)
+        await self.service.wait_loads()
+        self.store.close()
+        log.info("stopped")
+
+
+def run_daemon(config: DaemonConfig) -> None:
+    """Run a daemon in the foreground until SIGTERM or SIGINT.
+
+    Raises:
+        StartupError: the socket path is unusable.
+        SocketInUseError: another daemon serves the socket.
+    """
+
+    async def main() -> None:
+        daemon = Daemon(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop)
+        await daemon.run()
+
+    asyncio.run(main())
+
+
+def model_roots(paths: list[str]) -> list[Path]:
+    """Resolve ``--model-root`` folders with realpath."""
+    return [Path(os.path.realpath(p)) for p in paths]

@@ -1,0 +1,225 @@
+"""The models a daemon holds: loading into arenas, lookup by fingerprint, eviction.
+
+Loading streams one tensor at a time from the checkpoint through the recipe into the
+arena, so the daemon's peak memory is about the arena plus the largest tensor. The store
+itself is not thread-safe: the server calls it from its event loop, and runs only
+:meth:`Store.load` (which touches nothing but its own entry) in a worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from weightcache._checkpoint import Checkpoint, iter_tensors
+from weightcache._errors import (
+    FingerprintMismatchError,
+    ModelExistsError,
+    ModelFailedError,
+    ModelLoadingError,
+    ModelNotFoundError,
+    WeightCacheError,
+)
+from weightcache._fingerprint import Fingerprint
+from weightcache._recipe import Placement, Recipe
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.arena import SharedMemoryArena, Slot, plan_slots
+
+
+@dataclass
+class Entry:
+    """One model held or being loaded."""
+
+    name: str
+    checkpoint: Checkpoint
+    recipe: Recipe
+    placement: Placement
+    fingerprint: Fingerprint
+    state: int = pb.MODEL_STATE_LOADING
+    slots: list[Slot] = field(default_factory=list)
+    size: int = 0
+    arena: SharedMemoryArena | None = None
+    bytes_done: int = 0
+    tensors_done: int = 0
+    error: str = ""
+    failure: WeightCacheError | None = None
+    cancelled: bool = False
+    finished: threading.Event = field(default_factory=threading.Event)
+    create_time: float = field(default_factory=time.time)
+    load_seconds: float = 0.0
+    views: list[pb.TensorView] = field(default_factory=list)
+
+
+class Store:
+    """Every model of one daemon, by name.
+
+    Args:
+        segment_prefix: prefix of this instance's /dev/shm segment names.
+    """
+
+    def __init__(self, segment_prefix: str) -> None:
+        self._prefix = segment_prefix
+        self._entries: dict[str, Entry] = {}
+
+    def entries(self) -> list[Entry]:
+        """Every entry, sorted by name."""
+        return [self._entries[k] for k in sorted(self._entries)]
+
+    def get(self, name: str) -> Entry:
+        """The entry called ``name``.
+
+        Raises:
+            ModelNotFoundError: no such model.
+        """
+        entry = self._entries.get(name)
+        if entry is None:
+            raise ModelNotFoundError(f"no model named {name!r}", metadata={"model": name})
+        return entry
+
+    def add(
+        self, checkpoint: Checkpoint, recipe: Recipe, placement: Placement, fp: Fingerprint
+    ) -> Entry:
+        """Register a model in state LOADING and size its arena from the headers.
+
+        Raises:
+            ModelExistsError: a model with the same fingerprint is already held.
+        """
+        for entry in list(self._entries.values()):
+            if entry.fingerprint.digest != fp.digest:
+                continue
+            if entry.state == pb.MODEL_STATE_FAILED:
+                del self._entries[entry.name]  # a retry replaces a failed load
+            else:
+                raise ModelExistsError(
+                    f"model {entry.name!r} already holds this fingerprint",
+                    metadata={"model": entry.name},
+                )
+        entry = Entry(self._unique_name(checkpoint), checkpoint, recipe, placement, fp)
+        specs = []
+        for info in checkpoint.tensors.values():
+            spec = recipe.plan(info)
+            specs.append((info.name, spec.dtype, spec.shape))
+        entry.slots, entry.size = plan_slots(specs)
+        self._entries[entry.name] = entry
+        return entry
+
+    def _unique_name(self, checkpoint: Checkpoint) -> str:
+        base = os.path.basename(checkpoint.root) or "model"
+        name, n = base, 1
+        while name in self._entries:
+            n += 1
+            name = f"{base}-{n}"
+        return name
+
+    def load(self, entry: Entry) -> None:
+        """Read, process and pin ``entry``'s tensors; sets READY or FAILED. Thread-safe
+        with respect to other entries; never raises (the failure is kept on the entry)."""
+        try:
+            self._load(entry)
+        finally:
+            entry.finished.set()
+
+    def _load(self, entry: Entry) -> None:
+        start = time.monotonic()
+        try:
+            entry.arena = SharedMemoryArena(entry.size, self._prefix)
+            slots = {slot.name: slot for slot in entry.slots}
+            for info, tensor in iter_tensors(entry.checkpoint):
+                if entry.cancelled:
+                    raise ModelFailedError(f"load of {entry.name!r} cancelled at shutdown")
+                slot = slots[info.name]
+                entry.arena.write(slot, entry.recipe.apply(info, tensor))
+                entry.bytes_done += slot.nbytes
+                entry.tensors_done += 1
+        except WeightCacheError as exc:
+            entry.failure = exc
+        except OSError as exc:
+            entry.failure = ModelFailedError(f"{entry.name}: {exc}")
+        if entry.failure is not None:
+            entry.error = str(entry.failure)
+            entry.state = pb.MODEL_STATE_FAILED
+            self._free(entry)
+            return
+        entry.views = [slot.view() for slot in entry.slots]
+        entry.load_seconds = time.monotonic() - start
+        entry.state = pb.MODEL_STATE_READY
+
+    def find(self, fp: pb.Fingerprint, path: str) -> Entry:
+        """The READY model whose fingerprint is ``fp``.
+
+        Raises:
+            ModelLoadingError: the model is still loading.
+            ModelFailedError: the model failed to load.
+            FingerprintMismatchError: no exact match, but a held model has the same path or
+                the same component names; ``metadata["components"]`` lists what differs.
+            ModelNotFoundError: nothing matches or resembles ``fp``.
+        """
+        for entry in self._entries.values():
+            if entry.fingerprint.digest == fp.digest:
+                return _ready(entry)
+        wanted = {c.name: c.digest for c in fp.components}
+        best: tuple[int, Entry, list[str]] | None = None
+        for entry in self._entries.values():
+            mine = entry.fingerprint.components
+            if str(entry.checkpoint.root) != path and set(mine) != set(wanted):
+                continue
+            differing = sorted(n for n in set(mine) | set(wanted) if mine.get(n) != wanted.get(n))
+            if best is None or len(differing) < best[0]:
+                best = (len(differing), entry, differing)
+        if best is None:
+            raise ModelNotFoundError(
+                f"no held model matches fingerprint {fp.digest[:16]}… of {path}",
+                metadata={"path": path},
+            )
+        _, entry, differing = best
+        raise FingerprintMismatchError(
+            f"held model {entry.name!r} differs in {', '.join(differing)}",
+            metadata={"model": entry.name, "components": ",".join(differing)},
+        )
+
+    def remove(self, name: str) -> Entry:
+        """Drop a model and free its arena (the caller has checked its leases).
+
+        Raises:
+            ModelNotFoundError: no such model.
+        """
+        entry = self.get(name)
+        del self._entries[name]
+        self._free(entry)
+        return entry
+
+    def held_bytes(self) -> int:
+        """Bytes of arenas allocated."""
+        return sum(e.size for e in self._entries.values() if e.arena is not None)
+
+    def close(self) -> None:
+        """Free every arena (at shutdown)."""
+        for entry in list(self._entries.values()):
+            self._free(entry)
+        self._entries.clear()
+
+    @staticmethod
+    def _free(entry: Entry) -> None:
+        if entry.arena is not None:
+            entry.arena.close()
+            entry.arena = None
+
+
+def _ready(entry: Entry) -> Entry:
+    if entry.state == pb.MODEL_STATE_READY:
+        return entry
+    if entry.state == pb.MODEL_STATE_LOADING:
+        raise ModelLoadingError(
+            f"model {entry.name!r} is loading ({entry.bytes_done}/{entry.size} bytes)",
+            metadata={
+                "model": entry.name,
+                "bytes_done": str(entry.bytes_done),
+                "bytes_total": str(entry.size),
+            },
+        )
+    raise ModelFailedError(
+        f"model {entry.name!r} is {pb.ModelState.Name(entry.state)}: {entry.error}",
+        metadata={"model": entry.name},
+    )

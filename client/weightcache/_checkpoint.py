@@ -1,0 +1,293 @@
+"""Reading safetensors checkpoints: a single file or a sharded index, treated as untrusted.
+
+The header layout follows the safetensors specification: an unsigned little-endian 64-bit
+header length N, N bytes of JSON mapping tensor names to ``{dtype, shape, data_offsets}``
+(offsets relative to the byte after the header) plus an optional ``__metadata__`` of
+string to string, then the data. Sharded checkpoints follow Hugging Face's
+``model.safetensors.index.json``: ``weight_map`` maps each tensor name to its shard file.
+
+Every header is validated before any tensor is read, so a malformed file fails with
+:class:`InvalidCheckpointError` naming the file and the problem, never with a crash, a hang
+or a silently wrong tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from weightcache._dtypes import TORCH_DTYPES, itemsize
+from weightcache._errors import InvalidCheckpointError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+#: Largest header accepted, in bytes (the limit safetensors itself applies).
+MAX_HEADER_BYTES = 100_000_000
+#: Largest index file accepted, in bytes.
+MAX_INDEX_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the header describes it.
+
+    Attributes:
+        name: tensor name.
+        dtype: safetensors dtype name (``"BF16"``, ``"F8_E4M3"``, ...).
+        shape: sizes; ``()`` for a 0-d tensor.
+        shard: file name of the shard holding it, relative to the checkpoint folder.
+        begin: absolute byte offset of its data in the shard file.
+        nbytes: size of its data in bytes.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: str
+    begin: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One safetensors file of a checkpoint.
+
+    Attributes:
+        name: file name relative to the checkpoint folder.
+        path: realpath of the file.
+        size: file size in bytes.
+        header_sha256: hex sha256 of the raw JSON header bytes.
+        tensors: its tensors in header order.
+        metadata: its ``__metadata__`` (empty when absent).
+    """
+
+    name: str
+    path: Path
+    size: int
+    header_sha256: str
+    tensors: tuple[TensorInfo, ...]
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint.
+
+    Attributes:
+        root: realpath of the checkpoint folder.
+        shards: its shard files, sorted by name.
+        tensors: every tensor, by name, in shard then header order.
+    """
+
+    root: Path
+    shards: tuple[ShardInfo, ...]
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """``__metadata__`` of the first shard (HF writes the same one in every shard)."""
+        return self.shards[0].metadata if self.shards else {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data, all shards together."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open and validate a checkpoint folder, or a single ``.safetensors`` file.
+
+    A folder with ``model.safetensors.index.json`` is read as sharded: only the shards the
+    index names are read (stray ``.safetensors`` files are ignored). Otherwise the folder
+    must hold ``model.safetensors``.
+
+    Raises:
+        InvalidCheckpointError: no checkpoint at ``path``; a header or index is malformed
+            (length past the file or over 100 MB, invalid JSON, unknown dtype, shape and
+            byte size disagreeing, offsets overlapping or past the end); a tensor name
+            appears in two shards; the index names a missing shard or disagrees with it.
+    """
+    root = Path(os.path.realpath(path))
+    if root.is_file():
+        return _assemble(root.parent, [root.name], weight_map=None)
+    if not root.is_dir():
+        raise InvalidCheckpointError(f"{root}: no such checkpoint folder or file")
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_index(index)
+        return _assemble(root, sorted(set(weight_map.values())), weight_map=weight_map)
+    if (root / SINGLE_FILE).is_file():
+        return _assemble(root, [SINGLE_FILE], weight_map=None)
+    raise InvalidCheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    if index.stat().st_size > MAX_INDEX_BYTES:
+        raise InvalidCheckpointError(f"{index}: index larger than {MAX_INDEX_BYTES} bytes")
+    try:
+        doc = json.loads(index.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidCheckpointError(f"{index}: invalid JSON: {exc}") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise InvalidCheckpointError(f"{index}: 'weight_map' must map tensor names to files")
+    for shard in set(weight_map.values()):
+        if "/" in shard or shard in ("", ".", ".."):
+            raise InvalidCheckpointError(f"{index}: shard name {shard!r} is not a plain file name")
+    return weight_map
+
+
+def _assemble(root: Path, shard_names: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
+    shards = []
+    tensors: dict[str, TensorInfo] = {}
+    for name in shard_names:
+        file = root / name
+        if not file.is_file():
+            raise InvalidCheckpointError(f"{root}: index names shard {name!r}, which is missing")
+        shard = read_shard_header(file, name)
+        for info in shard.tensors:
+            if info.name in tensors:
+                raise InvalidCheckpointError(
+                    f"{root}: tensor {info.name!r} is in both {tensors[info.name].shard} and {name}"
+                )
+            if weight_map is not None and weight_map.get(info.name) != name:
+                raise InvalidCheckpointError(
+                    f"{root}: tensor {info.name!r} is in {name} but the index maps it to "
+                    f"{weight_map.get(info.name)!r}"
+                )
+            tensors[info.name] = info
+        shards.append(shard)
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise InvalidCheckpointError(
+                f"{root}: the index lists tensors absent from their shards: {missing[:5]}"
+            )
+    return Checkpoint(root=root, shards=tuple(shards), tensors=tensors)
+
+
+def read_shard_header(file: Path, name: str) -> ShardInfo:
+    """Read and validate one safetensors file's header.
+
+    Args:
+        file: path of the file.
+        name: the name to report it under (relative to the checkpoint folder).
+
+    Raises:
+        InvalidCheckpointError: the header is malformed; the message says how.
+    """
+    real = Path(os.path.realpath(file))
+    size = real.stat().st_size
+    with open(real, "rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) < 8:
+            raise InvalidCheckpointError(f"{name}: {size} bytes, shorter than a header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise InvalidCheckpointError(
+                f"{name}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
+            )
+        if 8 + header_len > size:
+            raise InvalidCheckpointError(
+                f"{name}: header length {header_len} runs past the end of the {size}-byte file"
+            )
+        raw = fh.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidCheckpointError(f"{name}: header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise InvalidCheckpointError(f"{name}: header is not a JSON object")
+    metadata = _metadata(name, header.pop("__metadata__", None))
+    data_start = 8 + header_len
+    tensors = [_tensor_info(name, key, entry, data_start) for key, entry in header.items()]
+    _check_offsets(name, tensors, size)
+    return ShardInfo(
+        name=name,
+        path=real,
+        size=size,
+        header_sha256=hashlib.sha256(raw).hexdigest(),
+        tensors=tuple(tensors),
+        metadata=metadata,
+    )
+
+
+def _metadata(shard: str, raw: object) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
+    ):
+        raise InvalidCheckpointError(f"{shard}: __metadata__ must map strings to strings")
+    return dict(raw)
+
+
+def _tensor_info(shard: str, key: str, entry: object, data_start: int) -> TensorInfo:
+    where = f"{shard}: tensor {key!r}"
+    if not isinstance(entry, dict):
+        raise InvalidCheckpointError(f"{where}: entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
+        raise InvalidCheckpointError(f"{where}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise InvalidCheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_uint(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise InvalidCheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end]")
+    nbytes = offsets[1] - offsets[0]
+    expected = math.prod(shape) * itemsize(dtype)
+    if nbytes != expected:
+        raise InvalidCheckpointError(
+            f"{where}: {nbytes} bytes of data but shape {shape} of {dtype} needs {expected}"
+        )
+    return TensorInfo(key, dtype, tuple(shape), shard, data_start + offsets[0], nbytes)
+
+
+def _is_uint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_offsets(shard: str, tensors: list[TensorInfo], size: int) -> None:
+    end = 0
+    for info in sorted(tensors, key=lambda t: (t.begin, t.nbytes)):
+        if info.begin + info.nbytes > size:
+            raise InvalidCheckpointError(
+                f"{shard}: tensor {info.name!r} ends at byte {info.begin + info.nbytes}, "
+                f"past the end of the {size}-byte file"
+            )
+        if info.nbytes and info.begin < end:
+            raise InvalidCheckpointError(f"{shard}: tensor {info.name!r} overlaps another")
+        end = max(end, info.begin + info.nbytes)
+
+
+def iter_tensors(checkpoint: Checkpoint) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+    """Yield every tensor of a validated checkpoint as a CPU tensor, in checkpoint order.
+
+    Tensors are read with the ``safetensors`` library, one shard open at a time.
+
+    Raises:
+        InvalidCheckpointError: safetensors refuses a file that passed validation, or a
+            file changed since it was opened.
+    """
+    for shard in checkpoint.shards:
+        try:
+            with safe_open(str(shard.path), framework="pt") as fh:
+                for info in shard.tensors:
+                    yield info, fh.get_tensor(info.name)
+        except (OSError, SafetensorError) as exc:
+            raise InvalidCheckpointError(f"{shard.name}: {exc}") from None

@@ -1,0 +1,194 @@
+"""Exceptions raised by weightcache, and the reason codes they carry.
+
+Every exception derives from :class:`WeightCacheError` and carries ``reason``: the
+``google.rpc.ErrorInfo`` reason the daemon sent (AIP-193), or the client's own code for
+failures that never reached a daemon. ``metadata`` holds the ErrorInfo metadata.
+
+Hierarchy::
+
+    WeightCacheError
+    ├── DaemonUnavailableError      no daemon at the socket, or it stopped answering
+    ├── InvalidCheckpointError      the checkpoint is malformed (both sides; never falls back)
+    ├── RecipeError                 the recipe or placement cannot apply to this checkpoint
+    ├── LeaseLostError              a lease ended while its tensors were in use
+    └── RemoteError                 the daemon refused a request
+        ├── FingerprintMismatchError    a held model differs; ``components`` says where
+        ├── ModelNotFoundError          no held model resembles the request
+        ├── ModelLoadingError           the model is still loading (``progress``)
+        ├── ModelFailedError            the model failed to load in the daemon
+        ├── LeaseNotFoundError          the lease is unknown to this daemon instance
+        ├── LeasesActiveError           Evict without force while leases are live
+        ├── ResourceExhaustedError      the model does not fit the memory budget
+        ├── PermissionDeniedError       remote Preload is off, or the path is not allowed
+        ├── InvalidArgumentError        a request field is malformed (``field``)
+        ├── ModelExistsError            Preload of a model already held
+        └── DrainingError               the daemon is shutting down
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+ERROR_DOMAIN = "weightcache.v1"
+
+#: Client-side reason: no daemon answered at the socket.
+DAEMON_UNAVAILABLE = "DAEMON_UNAVAILABLE"
+
+
+class WeightCacheError(Exception):
+    """Base of every weightcache exception.
+
+    Attributes:
+        reason: upper-snake reason code, e.g. ``"FINGERPRINT_MISMATCH"``.
+        detail: human-readable explanation (also ``str(exc)``).
+        metadata: ErrorInfo metadata, string to string.
+    """
+
+    reason: str = "UNKNOWN"
+
+    def __init__(
+        self, detail: str, *, reason: str | None = None, metadata: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        if reason is not None:
+            self.reason = reason
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+
+class DaemonUnavailableError(WeightCacheError):
+    """No daemon answered at the socket, or the connection to it broke."""
+
+    reason = DAEMON_UNAVAILABLE
+
+
+class InvalidCheckpointError(WeightCacheError):
+    """The checkpoint is malformed: the message names the file and what is wrong.
+
+    Raised by the checkpoint reader on either side; the daemon sends it as
+    ``INVALID_CHECKPOINT``. Loading from disk cannot fix it, so it is never a fallback.
+    """
+
+    reason = "INVALID_CHECKPOINT"
+
+
+class RecipeError(WeightCacheError, ValueError):
+    """The recipe or placement cannot be applied (unknown dtype, bad rank)."""
+
+    reason = "INVALID_RECIPE"
+
+
+class LeaseLostError(WeightCacheError):
+    """A lease ended while its tensors were in use (daemon gone, expired, revoked)."""
+
+    reason = "LEASE_LOST"
+
+
+class RemoteError(WeightCacheError):
+    """The daemon refused a request with a ``google.rpc.Status``."""
+
+
+class FingerprintMismatchError(RemoteError):
+    """A held model resembles the request but its fingerprint differs.
+
+    Attributes:
+        components: names of the differing components, e.g.
+            ``["checkpoint/model-00002-of-00002.safetensors"]``, ``["recipe"]``.
+    """
+
+    reason = "FINGERPRINT_MISMATCH"
+
+    @property
+    def components(self) -> list[str]:
+        raw = self.metadata.get("components", "")
+        return [c for c in raw.split(",") if c]
+
+
+class ModelNotFoundError(RemoteError):
+    """No held model has the fingerprint, and none resembles it."""
+
+    reason = "MODEL_NOT_FOUND"
+
+
+class ModelLoadingError(RemoteError):
+    """The model is still loading; ``metadata`` has ``bytes_done`` and ``bytes_total``."""
+
+    reason = "MODEL_LOADING"
+
+
+class ModelFailedError(RemoteError):
+    """The model failed to load in the daemon."""
+
+    reason = "MODEL_FAILED"
+
+
+class LeaseNotFoundError(RemoteError):
+    """The lease is unknown to this daemon instance."""
+
+    reason = "LEASE_NOT_FOUND"
+
+
+class LeasesActiveError(RemoteError):
+    """Evict without force while leases are live; ``metadata["leases"]`` counts them."""
+
+    reason = "LEASES_ACTIVE"
+
+
+class ResourceExhaustedError(RemoteError):
+    """The model does not fit in the daemon's memory budget."""
+
+    reason = "RESOURCE_EXHAUSTED"
+
+
+class PermissionDeniedError(RemoteError):
+    """Remote Preload is off, or the path lies outside every allowed model root."""
+
+    reason = "PERMISSION_DENIED"
+
+
+class InvalidArgumentError(RemoteError):
+    """A request field is malformed; ``metadata["field"]`` names it."""
+
+    reason = "INVALID_ARGUMENT"
+
+
+class ModelExistsError(RemoteError):
+    """Preload of a model the daemon already holds."""
+
+    reason = "MODEL_EXISTS"
+
+
+class DrainingError(RemoteError):
+    """The daemon is draining and grants no new leases."""
+
+    reason = "DRAINING"
+
+
+_REMOTE_BY_REASON: dict[str, type[WeightCacheError]] = {
+    cls.reason: cls
+    for cls in (
+        FingerprintMismatchError,
+        ModelNotFoundError,
+        ModelLoadingError,
+        ModelFailedError,
+        LeaseNotFoundError,
+        LeasesActiveError,
+        ResourceExhaustedError,
+        PermissionDeniedError,
+        InvalidArgumentError,
+        ModelExistsError,
+        DrainingError,
+        InvalidCheckpointError,
+    )
+}
+
+
+def error_for_reason(
+    reason: str, detail: str, metadata: Mapping[str, str] | None = None
+) -> WeightCacheError:
+    """Build the exception class that matches a daemon's ErrorInfo reason.
+
+    An unknown reason yields a plain :class:`RemoteError` carrying it.
+    """
+    cls = _REMOTE_BY_REASON.get(reason, RemoteError)
+    return cls(detail, reason=reason, metadata=metadata)

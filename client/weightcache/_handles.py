@@ -1,0 +1,134 @@
+"""Opening a daemon's storage handle and building torch tensors that view it.
+
+A ``SharedMemoryHandle`` is mapped ``MAP_PRIVATE`` (Python's ``mmap.ACCESS_COPY``): pages
+are shared with the daemon and every other worker until this process writes one, which
+then becomes a private copy. A worker that writes to its weights never changes anyone
+else's (mmap(2), "MAP_PRIVATE: copy-on-write mapping").
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightcache._dtypes import TORCH_DTYPES
+from weightcache._errors import WeightCacheError
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+SHM_DIR = "/dev/shm"
+
+
+class HandleError(WeightCacheError):
+    """A storage handle cannot be opened or a view does not fit it."""
+
+    reason = "INVALID_HANDLE"
+
+
+@dataclass
+class MappedArena:
+    """A mapped arena and the tensors viewing it.
+
+    Attributes:
+        tensors: name -> tensor, each a view of ``buffer`` (tied names share bytes).
+        size: arena size in bytes.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    size: int
+
+
+def open_shared_memory(
+    handle: pb.SharedMemoryHandle, views: Sequence[pb.TensorView], *, copy: bool
+) -> MappedArena:
+    """Map a shared-memory arena and build one tensor per view.
+
+    Args:
+        handle: the arena's path and size in bytes.
+        views: tensor views of the arena.
+        copy: copy the whole arena into private memory first (one memcpy, tied views stay
+            tied); the mapping is closed before returning.
+
+    Raises:
+        HandleError: the path is not a regular file directly under /dev/shm, is a symlink,
+            its size differs from the handle's, or a view lies outside the arena or has an
+            unknown dtype.
+    """
+    _check_path(handle.path)
+    fd = _open_regular(handle.path)
+    try:
+        size = os.fstat(fd).st_size
+        if size != handle.size or size <= 0:
+            raise HandleError(f"{handle.path}: size {size} does not match handle {handle.size}")
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    base = torch.frombuffer(mapping, dtype=torch.uint8)
+    if copy:
+        base = base.clone()
+        # The clone owns its bytes; the mapping can go now that no tensor views it.
+        del mapping
+    return MappedArena(tensors=build_views(base, views), size=size)
+
+
+def _check_path(path: str) -> None:
+    if os.path.dirname(path) != SHM_DIR or os.path.basename(path) in ("", ".", ".."):
+        raise HandleError(f"{path}: shared-memory handles must name a file in {SHM_DIR}")
+
+
+def _open_regular(path: str) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HandleError(f"{path}: cannot open shared memory: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise HandleError(f"{path}: not a regular file")
+    return fd
+
+
+def build_views(base: torch.Tensor, views: Sequence[pb.TensorView]) -> dict[str, torch.Tensor]:
+    """Build one tensor per view of a 1-D ``uint8`` tensor holding the arena.
+
+    Raises:
+        HandleError: a view has an unknown dtype, a misaligned offset, a stride list of the
+            wrong length, or reaches past the end of the arena.
+    """
+    typed: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for view in views:
+        dtype = TORCH_DTYPES.get(view.dtype)
+        if dtype is None:
+            raise HandleError(f"tensor {view.name!r}: unknown dtype {view.dtype!r}")
+        shape, stride = tuple(view.shape), tuple(view.stride)
+        _check_view(view, shape, stride, dtype.itemsize, base.numel())
+        if view.dtype not in typed:
+            typed[view.dtype] = base.view(dtype)
+        out[view.name] = torch.as_strided(
+            typed[view.dtype], shape, stride, view.byte_offset // dtype.itemsize
+        )
+    return out
+
+
+def _check_view(
+    view: pb.TensorView,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    item: int,
+    size: int,
+) -> None:
+    if len(stride) != len(shape) or any(s < 0 for s in (*shape, *stride)):
+        raise HandleError(f"tensor {view.name!r}: shape {shape} and stride {stride} disagree")
+    if view.byte_offset < 0 or view.byte_offset % item:
+        raise HandleError(f"tensor {view.name!r}: misaligned byte_offset {view.byte_offset}")
+    if math.prod(shape) == 0:
+        extent = 0
+    else:
+        extent = (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))) * item
+    if view.byte_offset + extent > size:
+        raise HandleError(f"tensor {view.name!r}: reaches past the {size}-byte arena")

@@ -1,0 +1,234 @@
+"""Client-side leases: one KeepAlive stream per process and daemon, and the loss policy.
+
+A lease is renewed every ``ttl / 3`` seconds. It is *valid* for ``2 * ttl / 3`` seconds
+after the daemon last acknowledged it, a window shorter than the daemon's TTL, so the
+client gives up on a lease before the daemon could free the memory under it. A lease is
+lost when that window passes without an acknowledgement, when the stream breaks (the
+daemon died), when the daemon answers NOT_FOUND or from a new instance (it restarted), or
+when it pushes REVOKING.
+
+Policies, applied once, on the keepalive thread, when a lease is lost:
+
+- ``"raise"`` (default): :class:`LeaseLostError` from the next ``LoadedWeights.tensors``
+  access, after the ``on_lease_lost`` callback (if any) has run.
+- ``"exit"``: log and ``os._exit(75)`` (EX_TEMPFAIL), so that a supervisor restarts the
+  worker. Recommended where the memory may vanish (CUDA zero-copy).
+- ``"ignore"``: log and carry on. On the CPU backend a mapped arena stays readable after
+  the daemon exits (mmap(2): the mapping outlives the unlinked file), so this is safe
+  there; it is never safe on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+import structlog
+
+from weightcache._errors import LeaseLostError
+from weightcache._rpc import connect
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+log = structlog.get_logger("weightcache.lease")
+
+Policy = Literal["raise", "exit", "ignore"]
+POLICIES: tuple[Policy, ...] = ("raise", "exit", "ignore")
+#: Exit status under the ``exit`` policy (EX_TEMPFAIL from sysexits.h).
+EXIT_LEASE_LOST = 75
+Clock = Callable[[], float]
+LostCallback = Callable[[LeaseLostError], None]
+
+
+@dataclass
+class ClientLease:
+    """A lease as the client tracks it.
+
+    Attributes:
+        lease_id: the daemon's id.
+        instance_id: the daemon instance that granted it.
+        ttl: seconds granted.
+        policy: what to do when it is lost.
+        on_lost: called (on the keepalive thread) when it is lost, before the policy.
+        last_ack: clock reading of the daemon's last acknowledgement.
+        lost: the loss, once it happened.
+    """
+
+    lease_id: str
+    instance_id: str
+    ttl: float
+    policy: Policy
+    on_lost: LostCallback | None
+    last_ack: float
+    lost: LeaseLostError | None = None
+    _fired: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def validity(self) -> float:
+        """Seconds a lease stays valid after an acknowledgement: 2/3 of its TTL."""
+        return self.ttl * 2 / 3
+
+    def check(self) -> None:
+        """Raise the loss if the lease is lost under the ``raise`` policy.
+
+        Raises:
+            LeaseLostError: the lease was lost and the policy is ``"raise"``.
+        """
+        if self.lost is not None and self.policy == "raise":
+            raise self.lost
+
+    def wait_lost(self, timeout: float) -> bool:
+        """Block until the loss was handled, up to ``timeout`` seconds; True if it was."""
+        return self._fired.wait(timeout)
+
+
+class KeepAliveSession:
+    """The KeepAlive stream of this process to one daemon, renewing all its leases.
+
+    The stream runs on a daemon thread for the life of the process, or until it breaks.
+
+    Args:
+        socket: the daemon's socket path.
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, socket: str, clock: Clock = time.monotonic) -> None:
+        self.socket = socket
+        self._clock = clock
+        self._leases: dict[str, ClientLease] = {}
+        self._lock = threading.Lock()
+        self._wake: queue.Queue[None] = queue.Queue()
+        self._closed = threading.Event()
+        self._channel, self._stub = connect(socket)
+        self._thread = threading.Thread(target=self._run, name="weightcache-keepalive", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the stream still runs and accepts leases."""
+        return not self._closed.is_set()
+
+    def add(self, lease: ClientLease) -> None:
+        """Start renewing a lease (the first renewal is sent at once)."""
+        with self._lock:
+            self._leases[lease.lease_id] = lease
+        self._wake.put(None)
+        if not self.alive:
+            self._lose(lease, f"keepalive stream to {self.socket} ended")
+
+    def remove(self, lease_id: str) -> None:
+        """Stop renewing a lease (before releasing it)."""
+        with self._lock:
+            self._leases.pop(lease_id, None)
+        self._wake.put(None)
+
+    def _run(self) -> None:
+        try:
+            for response in self._stub.KeepAlive(self._requests()):
+                self._on_response(response)
+        except grpc.RpcError as exc:
+            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+            self._lose_all(f"keepalive stream to {self.socket} broke ({code})")
+        finally:
+            self._closed.set()
+            self._lose_all(f"keepalive stream to {self.socket} ended")
+            self._channel.close()
+
+    def _requests(self) -> Iterator[pb.KeepAliveRequest]:
+        next_send = 0.0
+        while True:
+            with self._lock:
+                leases = list(self._leases.values())
+            if not leases:
+                # Idle: keep the stream (one per process) for the next lease.
+                self._wait_wake(1.0)
+                next_send = 0.0
+                continue
+            now = self._clock()
+            for lease in leases:
+                if now - lease.last_ack > lease.validity:
+                    self._lose(lease, f"no keepalive acknowledgement for {lease.validity:.1f} s")
+            interval = min(lease.ttl for lease in leases) / 3
+            if now >= next_send:
+                next_send = now + interval
+                yield pb.KeepAliveRequest(lease_ids=[lease.lease_id for lease in leases])
+            if self._wait_wake(min(interval / 4, 0.25)):
+                next_send = 0.0
+
+    def _wait_wake(self, timeout: float) -> bool:
+        try:
+            self._wake.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        return True
+
+    def _on_response(self, response: pb.KeepAliveResponse) -> None:
+        now = self._clock()
+        for status in response.leases:
+            with self._lock:
+                lease = self._leases.get(status.lease_id)
+            if lease is None:
+                continue
+            if response.instance_id != lease.instance_id:
+                self._lose(lease, "the daemon restarted (new instance id)")
+            elif status.state == pb.LEASE_STATE_ACTIVE:
+                lease.last_ack = now
+            elif status.state == pb.LEASE_STATE_REVOKING:
+                self._lose(lease, "the daemon is revoking the lease (evict or drain)")
+            else:
+                self._lose(lease, "the daemon no longer knows the lease")
+
+    def _lose_all(self, why: str) -> None:
+        with self._lock:
+            leases = list(self._leases.values())
+        for lease in leases:
+            self._lose(lease, why)
+
+    def _lose(self, lease: ClientLease, why: str) -> None:
+        with self._lock:
+            if self._leases.pop(lease.lease_id, None) is None:
+                return
+        lease.lost = LeaseLostError(f"lease {lease.lease_id[:8]} lost: {why}")
+        log.error("lease lost", lease=lease.lease_id[:8], why=why, policy=lease.policy)
+        try:
+            if lease.on_lost is not None:
+                lease.on_lost(lease.lost)
+        finally:
+            lease._fired.set()
+            if lease.policy == "exit":
+                os._exit(EXIT_LEASE_LOST)
+
+
+class _Registry:
+    """This process's sessions by socket; emptied in a forked child (threads do not
+    survive fork)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+        self.sessions: dict[str, KeepAliveSession] = {}
+
+
+_registry = _Registry()
+
+
+def session_for(socket: str, clock: Clock = time.monotonic) -> KeepAliveSession:
+    """This process's live KeepAlive session to ``socket``, started if needed.
+
+    Raises:
+        DaemonUnavailableError: no socket file exists at the path.
+    """
+    with _registry.lock:
+        if _registry.pid != os.getpid():
+            _registry.sessions.clear()
+            _registry.pid = os.getpid()
+        session = _registry.sessions.get(socket)
+        if session is None or not session.alive:
+            session = KeepAliveSession(socket, clock)
+            _registry.sessions[socket] = session
+        return session

@@ -1,0 +1,359 @@
+"""``load()``: attach to the daemon's weights, or load from disk with the same recipe.
+
+What falls back to disk (with ``fallback=True``) and the reason code it records:
+
+- ``DAEMON_UNAVAILABLE``: no socket, or the daemon does not answer;
+- ``MODEL_NOT_FOUND``: the daemon holds nothing like this checkpoint;
+- ``FINGERPRINT_MISMATCH``: it holds a model that differs (``detail`` names where);
+- ``MODEL_LOADING``: the daemon was still loading it after ``wait_timeout`` seconds;
+- ``MODEL_FAILED``, ``DRAINING``, ``RESOURCE_EXHAUSTED``: the daemon cannot serve it.
+
+What is an error either way: a malformed checkpoint (:class:`InvalidCheckpointError`) and
+a bad recipe (:class:`RecipeError`); loading from disk cannot fix those.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import structlog
+import torch
+from google.protobuf import duration_pb2
+
+from weightcache._checkpoint import Checkpoint, iter_tensors, open_checkpoint
+from weightcache._errors import (
+    DaemonUnavailableError,
+    FingerprintMismatchError,
+    LeaseLostError,
+    ModelLoadingError,
+    WeightCacheError,
+)
+from weightcache._fingerprint import Fingerprint, Level, compute_fingerprint
+from weightcache._handles import HandleError, MappedArena, open_shared_memory
+from weightcache._lease import POLICIES, ClientLease, LostCallback, Policy, session_for
+from weightcache._recipe import Placement, Recipe, parse_dtype
+from weightcache._rpc import call, connect, default_socket
+from weightcache._version import __version__
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+log = structlog.get_logger("weightcache")
+
+Mode = Literal["zero_copy", "copy"]
+Source = Literal["cache", "disk"]
+#: Seconds between Acquire attempts while the model loads or the daemon starts.
+RETRY_INTERVAL = 0.1
+#: Seconds one Acquire call may take.
+RPC_TIMEOUT = 10.0
+_FALLBACK_REASONS = frozenset(
+    {
+        "DAEMON_UNAVAILABLE",
+        "MODEL_NOT_FOUND",
+        "FINGERPRINT_MISMATCH",
+        "MODEL_LOADING",
+        "MODEL_FAILED",
+        "DRAINING",
+        "RESOURCE_EXHAUSTED",
+        "INVALID_HANDLE",
+    }
+)
+
+
+@dataclass(frozen=True)
+class FallbackReason:
+    """Why weights came from disk instead of the daemon.
+
+    Attributes:
+        code: ``DAEMON_UNAVAILABLE``, ``MODEL_NOT_FOUND``, ``FINGERPRINT_MISMATCH``,
+            ``MODEL_LOADING``, ``MODEL_FAILED``, ``DRAINING`` or ``RESOURCE_EXHAUSTED``.
+        detail: the daemon's (or client's) explanation.
+        components: for ``FINGERPRINT_MISMATCH``, the differing fingerprint components.
+    """
+
+    code: str
+    detail: str
+    components: tuple[str, ...] = ()
+
+
+class LoadedWeights:
+    """Weights ready to use, from the daemon (``source == "cache"``) or from disk.
+
+    Use as a context manager, or call :meth:`close` when done: that ends the lease.
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        source: Source,
+        fingerprint: Fingerprint,
+        checkpoint: Checkpoint,
+        fallback_reason: FallbackReason | None = None,
+        lease: ClientLease | None = None,
+        socket: str | None = None,
+        model: str | None = None,
+    ) -> None:
+        self._tensors = tensors
+        self.source: Source = source
+        self.fingerprint = fingerprint
+        self.checkpoint = checkpoint
+        self.fallback_reason = fallback_reason
+        self.lease = lease
+        self.socket = socket
+        self.model = model
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Name -> tensor, in checkpoint order.
+
+        Raises:
+            LeaseLostError: the lease was lost and its policy is ``"raise"``.
+        """
+        if self.lease is not None:
+            self.lease.check()
+        return self._tensors
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The checkpoint's safetensors ``__metadata__``."""
+        return self.checkpoint.metadata
+
+    @property
+    def lease_lost(self) -> LeaseLostError | None:
+        """The lease's loss, if it was lost; ``None`` while live or without a lease."""
+        return self.lease.lost if self.lease is not None else None
+
+    def close(self) -> None:
+        """End the lease, if any (idempotent). Zero-copy tensors stay readable on CPU."""
+        lease, self.lease = self.lease, None
+        if lease is None or self.socket is None:
+            return
+        session_for(self.socket).remove(lease.lease_id)
+        release(self.socket, lease.lease_id)
+
+    def __enter__(self) -> LoadedWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def release(socket: str, lease_id: str) -> None:
+    """Release a lease; a daemon that is gone has released it already."""
+    try:
+        channel, stub = connect(socket)
+        with channel:
+            call(lambda: stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=RPC_TIMEOUT))
+    except DaemonUnavailableError:
+        pass
+
+
+def load(
+    model_dir: str | os.PathLike[str],
+    *,
+    socket: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    mode: Mode = "zero_copy",
+    fallback: bool = True,
+    fingerprint_level: Level = "sampled",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    ttl: float = 10.0,
+    wait_timeout: float = 30.0,
+    lease_policy: Policy = "raise",
+    on_lease_lost: LostCallback | None = None,
+) -> LoadedWeights:
+    """Get a checkpoint's weights from the daemon, or from disk.
+
+    Args:
+        model_dir: checkpoint folder (``model.safetensors`` or a sharded index).
+        socket: daemon socket; default ``$WEIGHTCACHE_SOCKET`` or the per-user path.
+        dtype: cast floating tensors (``"BF16"``, ``torch.float16``, ...); None keeps them.
+        mode: ``"zero_copy"`` maps the daemon's arena copy-on-write and holds a lease;
+            ``"copy"`` copies into private memory and releases at once.
+        fallback: load from disk, with the reason recorded, when the daemon cannot serve.
+            Without it, wait up to ``wait_timeout`` for a daemon or a loading model, then
+            raise.
+        fingerprint_level: ``"sampled"`` (default) or ``"layout"``; must match the daemon's.
+        tp_rank, tp_size: tensor-parallel placement.
+        ttl: lease TTL requested, in seconds (the daemon clamps it).
+        wait_timeout: seconds to wait for a model the daemon is still loading (and, without
+            fallback, for the daemon to come up).
+        lease_policy: ``"raise"``, ``"exit"`` or ``"ignore"``; see :mod:`weightcache._lease`.
+        on_lease_lost: called with the :class:`LeaseLostError` when the lease is lost.
+
+    Returns:
+        The weights; ``source`` says where they came from and ``fallback_reason`` why.
+
+    Raises:
+        InvalidCheckpointError: the checkpoint is malformed (either path).
+        RecipeError: the dtype or placement is invalid.
+        ValueError: ``mode`` or ``lease_policy`` is not one of the documented values.
+        DaemonUnavailableError, FingerprintMismatchError, ModelNotFoundError,
+        ModelLoadingError, RemoteError: only with ``fallback=False``, when the daemon
+            cannot serve the weights.
+    """
+    if mode not in ("zero_copy", "copy"):
+        raise ValueError(f"mode must be 'zero_copy' or 'copy', not {mode!r}")
+    if lease_policy not in POLICIES:
+        raise ValueError(f"lease_policy must be one of {POLICIES}, not {lease_policy!r}")
+    checkpoint = open_checkpoint(model_dir)
+    recipe = Recipe(dtype=parse_dtype(dtype))
+    placement = Placement(tp_rank, tp_size)
+    fp = compute_fingerprint(checkpoint, recipe, placement, fingerprint_level)
+    attach = _Attach(
+        socket=socket or default_socket(),
+        mode=mode,
+        ttl=ttl,
+        wait_timeout=wait_timeout,
+        wait_for_daemon=not fallback,
+        policy=lease_policy,
+        on_lost=on_lease_lost,
+    )
+    try:
+        return attach.run(checkpoint, fp)
+    except WeightCacheError as err:
+        if not fallback or err.reason not in _FALLBACK_REASONS:
+            raise
+        components = tuple(err.components) if isinstance(err, FingerprintMismatchError) else ()
+        reason = FallbackReason(err.reason, err.detail, components)
+    log.warning(
+        "loading from disk", reason=reason.code, detail=reason.detail, path=str(checkpoint.root)
+    )
+    return _from_disk(checkpoint, recipe, fp, reason)
+
+
+def load_from_disk(
+    model_dir: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    fingerprint_level: Level = "sampled",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> LoadedWeights:
+    """Load a checkpoint from disk with the recipe ``load()`` would apply; no daemon.
+
+    Raises:
+        InvalidCheckpointError: the checkpoint is malformed.
+        RecipeError: the dtype or placement is invalid.
+    """
+    checkpoint = open_checkpoint(model_dir)
+    recipe = Recipe(dtype=parse_dtype(dtype))
+    fp = compute_fingerprint(checkpoint, recipe, Placement(tp_rank, tp_size), fingerprint_level)
+    return _from_disk(checkpoint, recipe, fp, None)
+
+
+def _from_disk(
+    checkpoint: Checkpoint, recipe: Recipe, fp: Fingerprint, reason: FallbackReason | None
+) -> LoadedWeights:
+    tensors = {info.name: recipe.apply(info, t) for info, t in iter_tensors(checkpoint)}
+    return LoadedWeights(
+        tensors, source="disk", fingerprint=fp, checkpoint=checkpoint, fallback_reason=reason
+    )
+
+
+@dataclass(frozen=True)
+class _Attach:
+    """How to attach: the options of :func:`load` that concern the daemon."""
+
+    socket: str
+    mode: Mode
+    ttl: float
+    wait_timeout: float
+    wait_for_daemon: bool
+    policy: Policy
+    on_lost: LostCallback | None
+
+    def run(self, checkpoint: Checkpoint, fp: Fingerprint) -> LoadedWeights:
+        request = _acquire_request(checkpoint, fp, self.ttl)
+        reply = _acquire_with_wait(
+            self.socket, request, self.wait_timeout, wait_for_daemon=self.wait_for_daemon
+        )
+        lease_id = reply.lease.lease_id
+        try:
+            arena = self._map(reply)
+        except WeightCacheError:
+            release(self.socket, lease_id)
+            raise
+        weights = LoadedWeights(
+            arena.tensors,
+            source="cache",
+            fingerprint=fp,
+            checkpoint=checkpoint,
+            socket=self.socket,
+            model=reply.model.name,
+        )
+        if self.mode == "copy":
+            release(self.socket, lease_id)
+            return weights
+        weights.lease = ClientLease(
+            lease_id=lease_id,
+            instance_id=reply.lease.instance_id,
+            ttl=reply.lease.ttl.ToNanoseconds() / 1e9,
+            policy=self.policy,
+            on_lost=self.on_lost,
+            last_ack=time.monotonic(),
+        )
+        session_for(self.socket).add(weights.lease)
+        return weights
+
+    def _map(self, reply: pb.AcquireResponse) -> MappedArena:
+        kind = reply.storage.WhichOneof("handle")
+        if kind != "shared_memory":
+            raise HandleError(f"the daemon offers a {kind} handle; this client maps shared memory")
+        return open_shared_memory(
+            reply.storage.shared_memory, reply.tensors, copy=self.mode == "copy"
+        )
+
+
+def _acquire_request(checkpoint: Checkpoint, fp: Fingerprint, ttl: float) -> pb.AcquireRequest:
+    level = pb.FINGERPRINT_LEVEL_LAYOUT if fp.level == "layout" else pb.FINGERPRINT_LEVEL_SAMPLED
+    ttl_pb = duration_pb2.Duration()
+    ttl_pb.FromNanoseconds(int(ttl * 1e9))
+    return pb.AcquireRequest(
+        request_id=uuid.uuid4().hex,
+        fingerprint=pb.Fingerprint(
+            digest=fp.digest,
+            level=level,
+            components=[
+                pb.FingerprintComponent(name=n, digest=d) for n, d in fp.components.items()
+            ],
+        ),
+        checkpoint_path=str(checkpoint.root),
+        ttl=ttl_pb,
+        environment=pb.Environment(
+            weightcache_version=__version__, torch_version=torch.__version__, backend="cpu_shm"
+        ),
+        pid=os.getpid(),
+    )
+
+
+def _acquire_with_wait(
+    socket: str, request: pb.AcquireRequest, wait_timeout: float, *, wait_for_daemon: bool
+) -> pb.AcquireResponse:
+    deadline = time.monotonic() + wait_timeout
+    logged = False
+    while True:
+        try:
+            return _acquire_once(socket, request)
+        except (ModelLoadingError, DaemonUnavailableError) as err:
+            waiting = isinstance(err, ModelLoadingError) or wait_for_daemon
+            if not waiting or time.monotonic() + RETRY_INTERVAL > deadline:
+                raise
+            if not logged:
+                log.info("waiting", reason=err.reason, detail=err.detail)
+                logged = True
+            time.sleep(RETRY_INTERVAL)
+
+
+def _acquire_once(socket: str, request: pb.AcquireRequest) -> pb.AcquireResponse:
+    channel, stub = connect(socket)
+    with channel:
+        acquire: Callable[[], pb.AcquireResponse] = lambda: stub.Acquire(  # noqa: E731
+            request, timeout=RPC_TIMEOUT, wait_for_ready=False
+        )
+        return call(acquire)

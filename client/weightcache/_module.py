@@ -1,0 +1,103 @@
+"""``load_into()``: put loaded tensors into a ``torch.nn.Module`` without copying."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from weightcache._loader import LoadedWeights, load
+
+
+def load_into(
+    module: nn.Module,
+    model_dir: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    **load_kwargs: Any,
+) -> LoadedWeights:
+    """Load a checkpoint with :func:`load` and make its tensors the module's parameters.
+
+    Parameters and buffers are *replaced* by the loaded tensors (no copy: with the daemon
+    they are views of its arena). Parameters the module ties (one ``nn.Parameter`` reached
+    by two names, e.g. input embeddings and LM head) stay one object: the checkpoint's
+    tensor for any of the names is used for all of them. Parameters get
+    ``requires_grad=False``. Keep the returned object (and call ``close()`` when done):
+    it holds the lease.
+
+    Args:
+        module: the model; it may live on the ``meta`` device.
+        model_dir: checkpoint folder.
+        strict: raise when a parameter has no tensor or a tensor matches no parameter or
+            buffer. Buffers the checkpoint lacks keep their values either way.
+        **load_kwargs: passed to :func:`load` (``socket``, ``dtype``, ``mode``, ...).
+
+    Raises:
+        ValueError: ``strict`` and names do not match, or a tensor's shape differs from
+            the parameter it replaces. Nothing in the module is changed then.
+        Every exception of :func:`load`.
+    """
+    loaded = load(model_dir, **load_kwargs)
+    try:
+        assign(module, loaded.tensors, strict=strict)
+    except ValueError:
+        loaded.close()
+        raise
+    return loaded
+
+
+def assign(module: nn.Module, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Replace ``module``'s parameters and buffers by ``tensors`` (see :func:`load_into`).
+
+    Raises:
+        ValueError: as in :func:`load_into`; the module is left unchanged.
+    """
+    groups = _alias_groups(module)
+    plan: list[tuple[list[str], torch.Tensor, bool]] = []
+    missing: list[str] = []
+    used: set[str] = set()
+    for names, current, is_param in groups:
+        source = next((n for n in names if n in tensors), None)
+        if source is None:
+            if is_param:
+                missing.append(names[0])
+            continue
+        tensor = tensors[source]
+        if tuple(tensor.shape) != tuple(current.shape):
+            raise ValueError(
+                f"{source}: checkpoint shape {tuple(tensor.shape)} != module shape "
+                f"{tuple(current.shape)}"
+            )
+        used.update(n for n in names if n in tensors)
+        plan.append((names, tensor, is_param))
+    unexpected = sorted(set(tensors) - used)
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"checkpoint does not match the module: missing {missing[:10]}, "
+            f"unexpected {unexpected[:10]}"
+        )
+    for names, tensor, is_param in plan:
+        value: torch.Tensor = nn.Parameter(tensor, requires_grad=False) if is_param else tensor
+        for name in names:
+            owner, attr = _owner(module, name)
+            if is_param:
+                owner._parameters[attr] = value  # type: ignore[assignment]
+            else:
+                owner._buffers[attr] = value
+
+
+def _alias_groups(module: nn.Module) -> list[tuple[list[str], torch.Tensor, bool]]:
+    """Names of each distinct parameter (then buffer), tied names grouped together."""
+    groups: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), ([], param, True))[0].append(name)
+    for name, buf in module.named_buffers(remove_duplicate=False):
+        groups.setdefault(id(buf), ([], buf, False))[0].append(name)
+    return list(groups.values())
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attr

@@ -1,0 +1,377 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_FINGERPRINT_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_MODEL_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_MODEL_LOADING: _ClassVar[ErrorReason]
+    ERROR_REASON_MODEL_FAILED: _ClassVar[ErrorReason]
+    ERROR_REASON_LEASE_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_LEASES_ACTIVE: _ClassVar[ErrorReason]
+    ERROR_REASON_RESOURCE_EXHAUSTED: _ClassVar[ErrorReason]
+    ERROR_REASON_PERMISSION_DENIED: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_CHECKPOINT: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_ARGUMENT: _ClassVar[ErrorReason]
+    ERROR_REASON_MODEL_EXISTS: _ClassVar[ErrorReason]
+    ERROR_REASON_DRAINING: _ClassVar[ErrorReason]
+
+class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
+    MODEL_STATE_LOADING: _ClassVar[ModelState]
+    MODEL_STATE_READY: _ClassVar[ModelState]
+    MODEL_STATE_FAILED: _ClassVar[ModelState]
+    MODEL_STATE_EVICTING: _ClassVar[ModelState]
+
+class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEASE_STATE_UNSPECIFIED: _ClassVar[LeaseState]
+    LEASE_STATE_ACTIVE: _ClassVar[LeaseState]
+    LEASE_STATE_NOT_FOUND: _ClassVar[LeaseState]
+    LEASE_STATE_REVOKING: _ClassVar[LeaseState]
+
+class FingerprintLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINGERPRINT_LEVEL_UNSPECIFIED: _ClassVar[FingerprintLevel]
+    FINGERPRINT_LEVEL_LAYOUT: _ClassVar[FingerprintLevel]
+    FINGERPRINT_LEVEL_SAMPLED: _ClassVar[FingerprintLevel]
+    FINGERPRINT_LEVEL_FULL: _ClassVar[FingerprintLevel]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_FINGERPRINT_MISMATCH: ErrorReason
+ERROR_REASON_MODEL_NOT_FOUND: ErrorReason
+ERROR_REASON_MODEL_LOADING: ErrorReason
+ERROR_REASON_MODEL_FAILED: ErrorReason
+ERROR_REASON_LEASE_NOT_FOUND: ErrorReason
+ERROR_REASON_LEASES_ACTIVE: ErrorReason
+ERROR_REASON_RESOURCE_EXHAUSTED: ErrorReason
+ERROR_REASON_PERMISSION_DENIED: ErrorReason
+ERROR_REASON_INVALID_CHECKPOINT: ErrorReason
+ERROR_REASON_INVALID_ARGUMENT: ErrorReason
+ERROR_REASON_MODEL_EXISTS: ErrorReason
+ERROR_REASON_DRAINING: ErrorReason
+MODEL_STATE_UNSPECIFIED: ModelState
+MODEL_STATE_LOADING: ModelState
+MODEL_STATE_READY: ModelState
+MODEL_STATE_FAILED: ModelState
+MODEL_STATE_EVICTING: ModelState
+LEASE_STATE_UNSPECIFIED: LeaseState
+LEASE_STATE_ACTIVE: LeaseState
+LEASE_STATE_NOT_FOUND: LeaseState
+LEASE_STATE_REVOKING: LeaseState
+FINGERPRINT_LEVEL_UNSPECIFIED: FingerprintLevel
+FINGERPRINT_LEVEL_LAYOUT: FingerprintLevel
+FINGERPRINT_LEVEL_SAMPLED: FingerprintLevel
+FINGERPRINT_LEVEL_FULL: FingerprintLevel
+
+class FingerprintComponent(_message.Message):
+    __slots__ = ("name", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class Fingerprint(_message.Message):
+    __slots__ = ("digest", "level", "components")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    level: FingerprintLevel
+    components: _containers.RepeatedCompositeFieldContainer[FingerprintComponent]
+    def __init__(self, digest: _Optional[str] = ..., level: _Optional[_Union[FingerprintLevel, str]] = ..., components: _Optional[_Iterable[_Union[FingerprintComponent, _Mapping]]] = ...) -> None: ...
+
+class Recipe(_message.Message):
+    __slots__ = ("dtype",)
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    def __init__(self, dtype: _Optional[str] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("tp_rank", "tp_size")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    tp_size: int
+    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class LoadProgress(_message.Message):
+    __slots__ = ("bytes_done", "bytes_total", "tensors_done", "tensors_total")
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    bytes_total: int
+    tensors_done: int
+    tensors_total: int
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ...) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("name", "state", "fingerprint", "path", "recipe", "placement", "size_bytes", "tensor_count", "lease_count", "load_duration", "create_time", "error", "progress", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_DURATION_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: ModelState
+    fingerprint: Fingerprint
+    path: str
+    recipe: Recipe
+    placement: Placement
+    size_bytes: int
+    tensor_count: int
+    lease_count: int
+    load_duration: _duration_pb2.Duration
+    create_time: _timestamp_pb2.Timestamp
+    error: str
+    progress: LoadProgress
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tensor_count: _Optional[int] = ..., lease_count: _Optional[int] = ..., load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SharedMemoryHandle(_message.Message):
+    __slots__ = ("path", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device_uuid", "ipc_handle", "size")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    ipc_handle: bytes
+    size: int
+    def __init__(self, device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+
+class StorageHandle(_message.Message):
+    __slots__ = ("shared_memory", "cuda_ipc")
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    shared_memory: SharedMemoryHandle
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, shared_memory: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class TensorView(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "stride", "byte_offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    byte_offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "model", "ttl", "expire_time", "instance_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    model: str
+    ttl: _duration_pb2.Duration
+    expire_time: _timestamp_pb2.Timestamp
+    instance_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., model: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class Environment(_message.Message):
+    __slots__ = ("weightcache_version", "torch_version", "backend", "device_uuid")
+    WEIGHTCACHE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    weightcache_version: str
+    torch_version: str
+    backend: str
+    device_uuid: str
+    def __init__(self, weightcache_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class PreloadRequest(_message.Message):
+    __slots__ = ("path", "recipe", "placement", "fingerprint_level")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    recipe: Recipe
+    placement: Placement
+    fingerprint_level: FingerprintLevel
+    def __init__(self, path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., fingerprint_level: _Optional[_Union[FingerprintLevel, str]] = ...) -> None: ...
+
+class PreloadResponse(_message.Message):
+    __slots__ = ("model", "state", "progress")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    state: ModelState
+    progress: LoadProgress
+    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., progress: _Optional[_Union[LoadProgress, _Mapping]] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetModelResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: Model
+    def __init__(self, model: _Optional[_Union[Model, _Mapping]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    fingerprint: Fingerprint
+    checkpoint_path: str
+    ttl: _duration_pb2.Duration
+    environment: Environment
+    pid: int
+    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease", "model", "storage", "tensors", "environment")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    model: Model
+    storage: StorageHandle
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorView]
+    environment: Environment
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., model: _Optional[_Union[Model, _Mapping]] = ..., storage: _Optional[_Union[StorageHandle, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorView, _Mapping]]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LeaseStatus(_message.Message):
+    __slots__ = ("lease_id", "state", "expire_time", "revoke_deadline")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    state: LeaseState
+    expire_time: _timestamp_pb2.Timestamp
+    revoke_deadline: _timestamp_pb2.Timestamp
+    def __init__(self, lease_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoke_deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("instance_id", "leases")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
+    def __init__(self, instance_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("name", "force")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    force: bool
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: Model
+    def __init__(self, model: _Optional[_Union[Model, _Mapping]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("version", "protocol_version", "torch_version", "backend", "device", "device_uuid", "memory_held_bytes", "memory_budget_bytes", "instance_id", "start_time")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    protocol_version: str
+    torch_version: str
+    backend: str
+    device: str
+    device_uuid: str
+    memory_held_bytes: int
+    memory_budget_bytes: int
+    instance_id: str
+    start_time: _timestamp_pb2.Timestamp
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., memory_held_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
