@@ -37,7 +37,7 @@ class Entry:
     recipe: Recipe
     placement: Placement
     fingerprint: Fingerprint
-    state: int = pb.MODEL_STATE_LOADING
+    state: pb.ModelState = pb.MODEL_STATE_LOADING
     slots: list[Slot] = field(default_factory=list)
     size: int = 0
     arena: SharedMemoryArena | None = None
