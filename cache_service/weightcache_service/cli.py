@@ -29,6 +29,7 @@ from weightcache._fingerprint import LEVELS, Level
 from weightcache._recipe import Placement, Recipe, parse_dtype
 from weightcache._rpc import call, connect, default_socket, target
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.budget import MemoryBudget, parse_size
 from weightcache_service.server import (
     SERVICE_NAME,
     DaemonConfig,
@@ -75,7 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument(
         "--model-root", action="append", default=[], help="folder remote Preload may read"
     )
-    daemon.add_argument("--revoke-timeout", type=float, default=30.0, metavar="SECONDS")
+    daemon.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long lease holders get after REVOKING (SIGTERM, evict --force)",
+    )
+    daemon.add_argument(
+        "--max-memory", default=None, help="arena budget: bytes (8GiB, 500M) or percent (80%%)"
+    )
+    daemon.add_argument("--headroom", default="256MiB", help="bytes a preload must leave available")
     daemon.add_argument("--log-format", choices=("console", "json"), default="console")
 
     for name, text in (
@@ -117,6 +128,14 @@ def _preload(args: argparse.Namespace, socket: str) -> int:
     configure_logging(args.log_format)
     level: Level = args.fingerprint_level
     try:
+        max_bytes, percent = parse_size(args.max_memory) if args.max_memory else (None, None)
+        headroom, headroom_percent = parse_size(args.headroom)
+        if headroom_percent is not None:
+            raise ValueError("--headroom takes bytes, not a percentage")
+    except ValueError as err:
+        print(f"weightcache preload: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         config = DaemonConfig(
             socket=socket,
             preload=list(args.models),
@@ -126,8 +145,9 @@ def _preload(args: argparse.Namespace, socket: str) -> int:
             options=ServiceOptions(
                 allow_remote_preload=args.allow_remote_preload,
                 model_roots=model_roots(args.model_root),
-                revoke_timeout=args.revoke_timeout,
+                drain_timeout=args.drain_timeout,
             ),
+            budget=MemoryBudget(max_bytes=max_bytes, percent=percent, headroom=headroom or 0),
         )
         run_daemon(config)
     except (StartupError, SocketInUseError, WeightCacheError) as err:

@@ -29,6 +29,7 @@ from weightcache._recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.arena import SEGMENT_PREFIX, remove_stale_segments
+from weightcache_service.budget import MemoryBudget
 from weightcache_service.leases import LeaseTable
 from weightcache_service.service import ServiceOptions, WeightCacheService
 from weightcache_service.socket_lock import SocketLock
@@ -57,8 +58,9 @@ class DaemonConfig:
         recipe: recipe for the start-up preloads.
         placement: placement for the start-up preloads.
         fingerprint_level: content level for the start-up preloads.
-        options: permissions for remote requests.
-        grace: seconds in-flight RPCs get at shutdown.
+        options: permissions for remote requests, and the drain timeout.
+        budget: admission control for arenas.
+        grace: seconds in-flight RPCs get at shutdown, after the drain.
     """
 
     socket: str
@@ -67,6 +69,7 @@ class DaemonConfig:
     placement: Placement = field(default_factory=Placement)
     fingerprint_level: Level = "sampled"
     options: ServiceOptions = field(default_factory=ServiceOptions)
+    budget: MemoryBudget = field(default_factory=MemoryBudget)
     grace: float = 1.0
 
 
@@ -97,15 +100,19 @@ class Daemon:
         tag = socket_tag(config.socket)
         self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-"
         self._tag = tag
-        self.store = Store(self._segment_prefix)
+        self.store = Store(self._segment_prefix, config.budget)
         self.service = WeightCacheService(
             self.store, leases or LeaseTable(), config.options, self.instance_id
         )
         self.health = health_aio.HealthServicer()
         self._stop = asyncio.Event()
+        self._force = asyncio.Event()
 
     def stop(self) -> None:
-        """Ask the daemon to shut down (signal-handler safe)."""
+        """Ask the daemon to drain and shut down; a second call skips the rest of the
+        drain (signal-handler safe)."""
+        if self._stop.is_set():
+            self._force.set()
         self._stop.set()
 
     async def run(self) -> None:
@@ -171,10 +178,27 @@ class Daemon:
         startup = asyncio.create_task(self._preload_startup())
         try:
             await self._stop.wait()
+            await self._drain()
         finally:
             startup.cancel()
             reaper.cancel()
             await asyncio.gather(startup, reaper, return_exceptions=True)
+
+    async def _drain(self) -> None:
+        """Refuse new leases, push REVOKING to every holder, and wait until they have all
+        released or the drain timeout has passed (or a second signal came)."""
+        self.service.draining = True
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        live = self.service.revoke_all()
+        if not live:
+            return
+        timeout = self.config.options.drain_timeout
+        log.info("draining", leases=live, timeout=timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.service.leases) and loop.time() < deadline and not self._force.is_set():
+            await asyncio.sleep(0.05)
+        log.info("drained", leases_left=len(self.service.leases))
 
     async def _reap_forever(self) -> None:
         while True:
@@ -208,6 +232,7 @@ class Daemon:
         log.info("shutting down", leases=len(self.service.leases))
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
+        self.service.close_sessions()
         await server.stop(self.config.grace)
         await self.service.wait_loads()
         self.store.close()

@@ -19,9 +19,11 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from weightcache._checkpoint import open_checkpoint
 from weightcache._errors import (
     DrainingError,
+    FingerprintMismatchError,
     InvalidArgumentError,
     LeasesActiveError,
     ModelLoadingError,
+    ModelNotFoundError,
     PermissionDeniedError,
     WeightCacheError,
 )
@@ -59,12 +61,13 @@ class ServiceOptions:
     Attributes:
         allow_remote_preload: accept Preload RPCs at all.
         model_roots: folders (realpath) a remote Preload path must resolve inside.
-        revoke_timeout: seconds a forced Evict waits for holders before freeing.
+        drain_timeout: seconds lease holders get after REVOKING (a forced Evict, or a
+            drain at SIGTERM) before the memory is freed.
     """
 
     allow_remote_preload: bool = False
     model_roots: list[Path] = field(default_factory=list)
-    revoke_timeout: float = 30.0
+    drain_timeout: float = 30.0
 
 
 async def abort(context: grpc.aio.ServicerContext[Any, Any], error: WeightCacheError) -> None:
@@ -244,7 +247,10 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         if self.draining:
             raise DrainingError("the daemon is draining; load from disk or retry elsewhere")
         _validate_acquire(request)
-        entry = self.store.find(request.fingerprint, request.checkpoint_path)
+        try:
+            entry = self.store.find(request.fingerprint, request.checkpoint_path)
+        except (FingerprintMismatchError, ModelNotFoundError) as err:
+            raise self._with_skew(err, request.environment) from None
         if entry.state != pb.MODEL_STATE_READY or entry.arena is None:
             raise ModelLoadingError(f"model {entry.name!r} is not ready")
         ttl = request.ttl.ToNanoseconds() / 1e9 if request.HasField("ttl") else None
@@ -257,6 +263,22 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             tensors=entry.views,
             environment=self._environment,
         )
+
+    def _with_skew(self, err: WeightCacheError, client: pb.Environment) -> WeightCacheError:
+        """Say so when a miss comes with a version skew: the environment stamp is kept out
+        of the identity, so a skew shows up as a miss that this note explains."""
+        mine = self._environment
+        skews = [
+            f"{key} client {getattr(client, key)} daemon {getattr(mine, key)}"
+            for key in ("weightcache_version", "torch_version")
+            if getattr(client, key) and getattr(client, key) != getattr(mine, key)
+        ]
+        if not skews:
+            return err
+        err.detail = f"{err.detail}; environment differs: {', '.join(skews)}"
+        err.args = (err.detail,)
+        err.metadata["environment"] = "; ".join(skews)
+        return err
 
     async def KeepAlive(
         self,
@@ -345,9 +367,22 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             log.info("evicted", model=entry.name)
         return pb.EvictResponse(model=snapshot)
 
+    def close_sessions(self) -> None:
+        """End every KeepAlive stream (at shutdown, so that stopping waits for none)."""
+        for outbox in self._sessions.values():
+            outbox.put_nowait(None)
+
+    def revoke_all(self) -> int:
+        """Revoke every lease (drain); returns how many were live."""
+        count = len(self.leases)
+        for entry in self.store.entries():
+            if self.leases.for_model(entry.name):
+                self._revoke(entry)
+        return count
+
     def _revoke(self, entry: Entry) -> None:
         entry.state = pb.MODEL_STATE_EVICTING
-        deadline = self.leases.clock() + self.options.revoke_timeout
+        deadline = self.leases.clock() + self.options.drain_timeout
         revoked = self.leases.revoke(entry.name, deadline)
         log.warning("revoking", model=entry.name, leases=len(revoked))
         for lease in revoked:
@@ -371,9 +406,15 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             backend=BACKEND,
             device="cpu",
             memory_held_bytes=self.store.held_bytes(),
+            memory_budget_bytes=self._budget_limit(),
             instance_id=self.instance_id,
             start_time=_timestamp(self.start_time),
         )
+
+    def _budget_limit(self) -> int:
+        budget = self.store.budget
+        limit = budget.limit if budget is not None else None
+        return limit or 0
 
     # -- housekeeping ------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from weightcache._fingerprint import Fingerprint
 from weightcache._recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import SharedMemoryArena, Slot, plan_slots
+from weightcache_service.budget import MemoryBudget
 
 
 @dataclass
@@ -57,10 +58,12 @@ class Store:
 
     Args:
         segment_prefix: prefix of this instance's /dev/shm segment names.
+        budget: admission control for new arenas; none by default.
     """
 
-    def __init__(self, segment_prefix: str) -> None:
+    def __init__(self, segment_prefix: str, budget: MemoryBudget | None = None) -> None:
         self._prefix = segment_prefix
+        self.budget = budget
         self._entries: dict[str, Entry] = {}
 
     def entries(self) -> list[Entry]:
@@ -85,6 +88,7 @@ class Store:
 
         Raises:
             ModelExistsError: a model with the same fingerprint is already held.
+            ResourceExhaustedError: the arena would not fit the memory budget.
         """
         for entry in list(self._entries.values()):
             if entry.fingerprint.digest != fp.digest:
@@ -102,6 +106,8 @@ class Store:
             spec = recipe.plan(info)
             specs.append((info.name, spec.dtype, spec.shape))
         entry.slots, entry.size = plan_slots(specs)
+        if self.budget is not None:
+            self.budget.check(entry.name, entry.size, self.held_bytes())
         self._entries[entry.name] = entry
         return entry
 
@@ -191,8 +197,8 @@ class Store:
         return entry
 
     def held_bytes(self) -> int:
-        """Bytes of arenas allocated."""
-        return sum(e.size for e in self._entries.values() if e.arena is not None)
+        """Bytes of arenas held or reserved by a load in progress."""
+        return sum(e.size for e in self._entries.values() if e.state != pb.MODEL_STATE_FAILED)
 
     def close(self) -> None:
         """Free every arena (at shutdown)."""

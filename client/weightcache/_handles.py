@@ -35,12 +35,25 @@ class MappedArena:
     """A mapped arena and the tensors viewing it.
 
     Attributes:
-        tensors: name -> tensor, each a view of ``buffer`` (tied names share bytes).
+        tensors: name -> tensor, each a view of ``base`` (tied names share bytes).
+        base: the whole arena as a 1-D ``uint8`` tensor.
         size: arena size in bytes.
     """
 
     tensors: dict[str, torch.Tensor]
+    base: torch.Tensor
     size: int
+
+    def privatize(self) -> None:
+        """Give this process its own copy of every page, under every existing view.
+
+        Writing a page of a ``MAP_PRIVATE`` mapping makes the kernel copy it into memory
+        private to this process (mmap(2)); writing each page's first byte back unchanged
+        does that for all pages without changing a value or any tensor's address. Once
+        done, the daemon's segment can be freed without this process noticing.
+        """
+        pages = self.base[:: mmap.PAGESIZE]
+        pages.copy_(pages.clone())
 
 
 def open_shared_memory(
@@ -73,7 +86,7 @@ def open_shared_memory(
         base = base.clone()
         # The clone owns its bytes; the mapping can go now that no tensor views it.
         del mapping
-    return MappedArena(tensors=build_views(base, views), size=size)
+    return MappedArena(tensors=build_views(base, views), base=base, size=size)
 
 
 def _check_path(path: str) -> None:

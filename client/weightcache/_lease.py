@@ -7,6 +7,15 @@ lost when that window passes without an acknowledgement, when the stream breaks 
 daemon died), when the daemon answers NOT_FOUND or from a new instance (it restarted), or
 when it pushes REVOKING.
 
+When the daemon pushes REVOKING (a forced evict, or a drain at SIGTERM), the lease's
+``on_revoke`` policy decides, on the keepalive thread:
+
+- ``"copy"`` (default): make the mapped pages private to this process (every view keeps
+  its address and bytes), release the lease, and carry on. A worker survives a daemon
+  upgrade without restarting.
+- ``"raise"`` / ``"exit"``: treat the lease as lost (below), whatever its loss policy says
+  for ``"raise"`` versus ``"exit"`` respectively.
+
 Policies, applied once, on the keepalive thread, when a lease is lost:
 
 - ``"raise"`` (default): :class:`LeaseLostError` from the next ``LoadedWeights.tensors``
@@ -20,6 +29,7 @@ Policies, applied once, on the keepalive thread, when a lease is lost:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -39,6 +49,8 @@ log = structlog.get_logger("weightcache.lease")
 
 Policy = Literal["raise", "exit", "ignore"]
 POLICIES: tuple[Policy, ...] = ("raise", "exit", "ignore")
+RevokePolicy = Literal["copy", "raise", "exit"]
+REVOKE_POLICIES: tuple[RevokePolicy, ...] = ("copy", "raise", "exit")
 #: Exit status under the ``exit`` policy (EX_TEMPFAIL from sysexits.h).
 EXIT_LEASE_LOST = 75
 Clock = Callable[[], float]
@@ -56,7 +68,10 @@ class ClientLease:
         policy: what to do when it is lost.
         on_lost: called (on the keepalive thread) when it is lost, before the policy.
         last_ack: clock reading of the daemon's last acknowledgement.
+        on_revoke: what to do on REVOKING.
+        privatize: makes this process's mapping private (for ``on_revoke="copy"``).
         lost: the loss, once it happened.
+        revoked: the lease was revoked and handled by copying; the tensors are private.
     """
 
     lease_id: str
@@ -65,7 +80,10 @@ class ClientLease:
     policy: Policy
     on_lost: LostCallback | None
     last_ack: float
+    on_revoke: RevokePolicy = "copy"
+    privatize: Callable[[], None] | None = None
     lost: LeaseLostError | None = None
+    revoked: bool = False
     _fired: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -179,9 +197,28 @@ class KeepAliveSession:
             elif status.state == pb.LEASE_STATE_ACTIVE:
                 lease.last_ack = now
             elif status.state == pb.LEASE_STATE_REVOKING:
-                self._lose(lease, "the daemon is revoking the lease (evict or drain)")
+                self._revoke(lease)
             else:
                 self._lose(lease, "the daemon no longer knows the lease")
+
+    def _revoke(self, lease: ClientLease) -> None:
+        if lease.on_revoke != "copy" or lease.privatize is None:
+            if lease.on_revoke == "exit":
+                lease.policy = "exit"
+            self._lose(lease, "the daemon is revoking the lease (evict or drain)")
+            return
+        try:
+            lease.privatize()
+        except (RuntimeError, OSError) as exc:
+            self._lose(lease, f"revoked, and copying the weights failed: {exc}")
+            return
+        lease.revoked = True
+        with self._lock:
+            self._leases.pop(lease.lease_id, None)
+        log.warning("lease revoked: weights copied to private memory", lease=lease.lease_id[:8])
+        # If Release fails the daemon frees the memory at the revoke deadline anyway.
+        with contextlib.suppress(grpc.RpcError):
+            self._stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=5.0)
 
     def _lose_all(self, why: str) -> None:
         with self._lock:

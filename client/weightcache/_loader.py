@@ -35,7 +35,15 @@ from weightcache._errors import (
 )
 from weightcache._fingerprint import Fingerprint, Level, compute_fingerprint
 from weightcache._handles import HandleError, MappedArena, open_shared_memory
-from weightcache._lease import POLICIES, ClientLease, LostCallback, Policy, session_for
+from weightcache._lease import (
+    POLICIES,
+    REVOKE_POLICIES,
+    ClientLease,
+    LostCallback,
+    Policy,
+    RevokePolicy,
+    session_for,
+)
 from weightcache._recipe import Placement, Recipe, parse_dtype
 from weightcache._rpc import call, connect, default_socket
 from weightcache._version import __version__
@@ -166,6 +174,7 @@ def load(
     wait_timeout: float = 30.0,
     lease_policy: Policy = "raise",
     on_lease_lost: LostCallback | None = None,
+    on_revoke: RevokePolicy = "copy",
 ) -> LoadedWeights:
     """Get a checkpoint's weights from the daemon, or from disk.
 
@@ -185,6 +194,8 @@ def load(
             fallback, for the daemon to come up).
         lease_policy: ``"raise"``, ``"exit"`` or ``"ignore"``; see :mod:`weightcache._lease`.
         on_lease_lost: called with the :class:`LeaseLostError` when the lease is lost.
+        on_revoke: ``"copy"``, ``"raise"`` or ``"exit"``: what to do when the daemon
+            revokes the lease (forced evict, drain); see :mod:`weightcache._lease`.
 
     Returns:
         The weights; ``source`` says where they came from and ``fallback_reason`` why.
@@ -201,6 +212,8 @@ def load(
         raise ValueError(f"mode must be 'zero_copy' or 'copy', not {mode!r}")
     if lease_policy not in POLICIES:
         raise ValueError(f"lease_policy must be one of {POLICIES}, not {lease_policy!r}")
+    if on_revoke not in REVOKE_POLICIES:
+        raise ValueError(f"on_revoke must be one of {REVOKE_POLICIES}, not {on_revoke!r}")
     checkpoint = open_checkpoint(model_dir)
     recipe = Recipe(dtype=parse_dtype(dtype))
     placement = Placement(tp_rank, tp_size)
@@ -213,6 +226,7 @@ def load(
         wait_for_daemon=not fallback,
         policy=lease_policy,
         on_lost=on_lease_lost,
+        on_revoke=on_revoke,
     )
     try:
         return attach.run(checkpoint, fp)
@@ -267,6 +281,7 @@ class _Attach:
     wait_for_daemon: bool
     policy: Policy
     on_lost: LostCallback | None
+    on_revoke: RevokePolicy
 
     def run(self, checkpoint: Checkpoint, fp: Fingerprint) -> LoadedWeights:
         request = _acquire_request(checkpoint, fp, self.ttl)
@@ -297,6 +312,8 @@ class _Attach:
             policy=self.policy,
             on_lost=self.on_lost,
             last_ack=time.monotonic(),
+            on_revoke=self.on_revoke,
+            privatize=arena.privatize,
         )
         session_for(self.socket).add(weights.lease)
         return weights

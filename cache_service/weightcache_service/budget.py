@@ -1,0 +1,108 @@
+"""The daemon's memory budget: how many bytes of arenas it may hold.
+
+For the CPU backend, what the backend *has* is the smaller of the free space of
+``/dev/shm`` (statvfs) and ``MemAvailable`` of ``/proc/meminfo`` (proc(5)): an arena is
+both a tmpfs file and resident memory. A preload is refused when it would take the held
+bytes over the budget, or leave less than the headroom of what the backend has.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from weightcache._errors import ResourceExhaustedError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b|%)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_IUNITS = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> tuple[int | None, float | None]:
+    """Parse ``--max-memory``: bytes (``"8GiB"``, ``"500M"``, ``"1073741824"``) or a
+    percentage of what the backend has (``"80%"``). Returns ``(bytes, None)`` or
+    ``(None, percent)``.
+
+    Raises:
+        ValueError: the text is neither, or a percentage is not in (0, 100].
+    """
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use bytes like 8GiB, or a percentage)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise ValueError(f"percentage must be in (0, 100]: {text!r}")
+        return None, number
+    unit = unit.removesuffix("b") if unit not in ("b",) else ""
+    scale = _IUNITS.get(unit) or _UNITS.get(unit)
+    if scale is None:
+        raise ValueError(f"unknown unit in {text!r}")
+    return int(number * scale), None
+
+
+def cpu_available_bytes(shm_dir: str = "/dev/shm") -> int:
+    """What the CPU backend has now: min(free bytes of ``shm_dir``, MemAvailable)."""
+    vfs = os.statvfs(shm_dir)
+    shm_free = vfs.f_bavail * vfs.f_frsize
+    with open("/proc/meminfo", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return min(shm_free, int(line.split()[1]) * 1024)
+    return shm_free
+
+
+@dataclass
+class MemoryBudget:
+    """Admission control for new arenas.
+
+    Attributes:
+        max_bytes: fixed budget in bytes, or None.
+        percent: budget as a percentage of what the backend had at start, or None.
+        headroom: bytes that must stay available to others after a load.
+        available: reads what the backend has now, in bytes (injectable for tests).
+    """
+
+    max_bytes: int | None = None
+    percent: float | None = None
+    headroom: int = 256 * 2**20
+    available: Callable[[], int] = cpu_available_bytes
+
+    def __post_init__(self) -> None:
+        self._start_available = self.available()
+
+    @property
+    def limit(self) -> int | None:
+        """The budget in bytes, or None when only the backend's capacity limits."""
+        if self.max_bytes is not None:
+            return self.max_bytes
+        if self.percent is not None:
+            return int(self._start_available * self.percent / 100)
+        return None
+
+    def check(self, name: str, needed: int, held: int) -> None:
+        """Admit an arena of ``needed`` bytes while ``held`` bytes are held.
+
+        Raises:
+            ResourceExhaustedError: over the budget, or under the headroom; the message
+                gives every number, in bytes.
+        """
+        limit = self.limit
+        if limit is not None and held + needed > limit:
+            raise ResourceExhaustedError(
+                f"{name} needs {needed} bytes; {held} of the {limit}-byte budget are held",
+                metadata={"needed": str(needed), "held": str(held), "budget": str(limit)},
+            )
+        available = self.available()
+        if needed + self.headroom > available:
+            raise ResourceExhaustedError(
+                f"{name} needs {needed} bytes plus {self.headroom} of headroom; "
+                f"{available} are available",
+                metadata={
+                    "needed": str(needed),
+                    "headroom": str(self.headroom),
+                    "available": str(available),
+                },
+            )
