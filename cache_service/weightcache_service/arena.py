@@ -12,7 +12,7 @@ import math
 import mmap
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +103,13 @@ class SharedMemoryArena:
             return
         raw = tensor.contiguous().reshape(-1).view(torch.uint8)
         self._base[slot.byte_offset : slot.byte_offset + slot.nbytes].copy_(raw)
+
+    def read_into(self, slot: Slot, fill: Callable[[memoryview], None]) -> None:
+        """Let ``fill`` write the slot's bytes straight into shared memory (no copy)."""
+        if slot.nbytes == 0:
+            return
+        with memoryview(self._mmap) as whole:
+            fill(whole[slot.byte_offset : slot.byte_offset + slot.nbytes])
 
     def handle(self) -> pb.StorageHandle:
         """The wire handle a worker opens."""

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from weightcache._checkpoint import Checkpoint, iter_tensors
+from weightcache._checkpoint import Checkpoint, ShardReader, TensorInfo
 from weightcache._errors import (
     FingerprintMismatchError,
     ModelExistsError,
@@ -132,13 +132,10 @@ class Store:
         try:
             entry.arena = SharedMemoryArena(entry.size, self._prefix)
             slots = {slot.name: slot for slot in entry.slots}
-            for info, tensor in iter_tensors(entry.checkpoint):
-                if entry.cancelled:
-                    raise ModelFailedError(f"load of {entry.name!r} cancelled at shutdown")
-                slot = slots[info.name]
-                entry.arena.write(slot, entry.recipe.apply(info, tensor))
-                entry.bytes_done += slot.nbytes
-                entry.tensors_done += 1
+            for shard in entry.checkpoint.shards:
+                with ShardReader(shard) as reader:
+                    for info in shard.tensors:
+                        self._load_tensor(entry, entry.arena, reader, info, slots[info.name])
         except WeightCacheError as exc:
             entry.failure = exc
         except OSError as exc:
@@ -151,6 +148,19 @@ class Store:
         entry.views = [slot.view() for slot in entry.slots]
         entry.load_seconds = time.monotonic() - start
         entry.state = pb.MODEL_STATE_READY
+
+    @staticmethod
+    def _load_tensor(
+        entry: Entry, arena: SharedMemoryArena, reader: ShardReader, info: TensorInfo, slot: Slot
+    ) -> None:
+        if entry.cancelled:
+            raise ModelFailedError(f"load of {entry.name!r} cancelled at shutdown")
+        if entry.recipe.passthrough(info):
+            arena.read_into(slot, lambda out: reader.read_into(info, out))
+        else:
+            arena.write(slot, entry.recipe.apply(info, reader.read(info)))
+        entry.bytes_done += slot.nbytes
+        entry.tensors_done += 1
 
     def find(self, fp: pb.Fingerprint, path: str) -> Entry:
         """The READY model whose fingerprint is ``fp``.

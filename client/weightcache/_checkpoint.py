@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from weightcache._dtypes import TORCH_DTYPES, itemsize
 from weightcache._errors import InvalidCheckpointError
@@ -276,18 +275,62 @@ def _check_offsets(shard: str, tensors: list[TensorInfo], size: int) -> None:
 
 
 def iter_tensors(checkpoint: Checkpoint) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
-    """Yield every tensor of a validated checkpoint as a CPU tensor, in checkpoint order.
+    """Yield every tensor of a validated checkpoint as a new CPU tensor, in checkpoint order.
 
-    Tensors are read with the ``safetensors`` library, one shard open at a time.
+    Each tensor is read with ``preadv`` straight into its own memory: no mapping of the
+    file, so memory grows by exactly the tensors kept.
 
     Raises:
-        InvalidCheckpointError: safetensors refuses a file that passed validation, or a
-            file changed since it was opened.
+        InvalidCheckpointError: a file shrank or became unreadable since it was validated.
     """
     for shard in checkpoint.shards:
+        with ShardReader(shard) as reader:
+            for info in shard.tensors:
+                yield info, reader.read(info)
+
+
+class ShardReader:
+    """Reads tensors of one validated shard by offset (a context manager owning the fd).
+
+    Raises:
+        InvalidCheckpointError: on open, the file is gone or unreadable.
+    """
+
+    def __init__(self, shard: ShardInfo) -> None:
+        self.shard = shard
         try:
-            with safe_open(str(shard.path), framework="pt") as fh:
-                for info in shard.tensors:
-                    yield info, fh.get_tensor(info.name)
-        except (OSError, SafetensorError) as exc:
-            raise InvalidCheckpointError(f"{shard.name}: {exc}") from None
+            self._fd = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InvalidCheckpointError(f"{shard.name}: {exc.strerror}") from None
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """A new tensor holding ``info``'s bytes, with its dtype and shape."""
+        tensor = torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
+        if info.nbytes:
+            self.read_into(info, tensor.reshape(-1).view(torch.uint8).numpy().data)
+        return tensor
+
+    def read_into(self, info: TensorInfo, out: memoryview) -> None:
+        """Fill ``out`` (exactly ``info.nbytes`` bytes) with the tensor's raw bytes.
+
+        Raises:
+            InvalidCheckpointError: the file ended early or a read failed.
+        """
+        done = 0
+        while done < info.nbytes:
+            try:
+                n = os.preadv(self._fd, [out[done:]], info.begin + done)
+            except OSError as exc:
+                raise InvalidCheckpointError(f"{self.shard.name}: {exc.strerror}") from None
+            if n == 0:
+                raise InvalidCheckpointError(
+                    f"{self.shard.name}: file ended inside tensor {info.name!r}; it changed "
+                    "after it was validated"
+                )
+            done += n

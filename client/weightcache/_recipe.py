@@ -74,6 +74,10 @@ class Recipe:
         """The dtype and shape ``info`` will have once processed (from the header only)."""
         return TensorSpec(self._target(info.dtype), info.shape)
 
+    def passthrough(self, info: TensorInfo) -> bool:
+        """Whether the recipe leaves ``info`` as stored (its bytes can be copied as they are)."""
+        return self._target(info.dtype) == info.dtype
+
     def apply(self, info: TensorInfo, tensor: torch.Tensor) -> torch.Tensor:
         """Process one tensor read from the checkpoint; returns it unchanged when no cast."""
         target = self._target(info.dtype)
