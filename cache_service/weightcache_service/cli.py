@@ -24,15 +24,18 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from weightcache._errors import WeightCacheError
+from weightcache._errors import RecipeError, WeightCacheError
 from weightcache._fingerprint import LEVELS, Level
+from weightcache._plugins import PluginStep
 from weightcache._recipe import Placement, Recipe, parse_dtype
 from weightcache._rpc import call, connect, default_socket, target
+from weightcache._tp import TPPlan
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.budget import MemoryBudget, parse_size
 from weightcache_service.server import (
     SERVICE_NAME,
     DaemonConfig,
+    PreloadSpec,
     StartupError,
     model_roots,
     run_daemon,
@@ -71,6 +74,29 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument("models", nargs="*", metavar="MODEL_DIR")
     daemon.add_argument("--socket", default=None)
     daemon.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32")
+    daemon.add_argument("--tp-size", type=int, default=1, help="tensor-parallel world size")
+    daemon.add_argument(
+        "--tp-rank",
+        action="append",
+        default=[],
+        metavar="RANKS",
+        help="rank(s) to hold: N, A-B, or 'all'; repeatable (default: all ranks)",
+    )
+    daemon.add_argument("--tp-plan", default=None, metavar="FILE", help="JSON {pattern: style}")
+    daemon.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="NAME[:k=v,...]",
+        help="plugin step (entry point group weightcache.recipes); repeatable, in order",
+    )
+    daemon.add_argument(
+        "--allow-recipe",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="plugin a remote Preload may use; repeatable",
+    )
     daemon.add_argument("--fingerprint-level", choices=LEVELS, default="sampled")
     daemon.add_argument("--allow-remote-preload", action="store_true", help="accept Preload RPCs")
     daemon.add_argument(
@@ -136,16 +162,24 @@ def _preload(args: argparse.Namespace, socket: str) -> int:
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE
     try:
+        recipe = Recipe(
+            dtype=parse_dtype(args.dtype),
+            tp_plan=TPPlan.from_json(args.tp_plan) if args.tp_plan else None,
+            plugins=tuple(PluginStep.parse(text) for text in args.recipe),
+        )
+        ranks = parse_ranks(args.tp_rank, args.tp_size)
         config = DaemonConfig(
             socket=socket,
-            preload=list(args.models),
-            recipe=Recipe(dtype=parse_dtype(args.dtype)),
-            placement=Placement(),
-            fingerprint_level=level,
+            preload=[
+                PreloadSpec(path, recipe, Placement(rank, args.tp_size), level)
+                for path in args.models
+                for rank in ranks
+            ],
             options=ServiceOptions(
                 allow_remote_preload=args.allow_remote_preload,
                 model_roots=model_roots(args.model_root),
                 drain_timeout=args.drain_timeout,
+                allowed_plugins=frozenset(args.allow_recipe),
             ),
             budget=MemoryBudget(max_bytes=max_bytes, percent=percent, headroom=headroom or 0),
         )
@@ -154,6 +188,30 @@ def _preload(args: argparse.Namespace, socket: str) -> int:
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
     return 0
+
+
+def parse_ranks(texts: list[str], size: int) -> list[int]:
+    """Ranks from ``--tp-rank`` values (``3``, ``0-3``, ``all``); all ranks when none given.
+
+    Raises:
+        RecipeError: a value is malformed or outside ``[0, size)``.
+    """
+    if not texts:
+        return list(range(size))
+    ranks: set[int] = set()
+    for text in texts:
+        if text == "all":
+            ranks.update(range(size))
+            continue
+        low, _, high = text.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise RecipeError(f"--tp-rank {text!r}: use N, A-B or all") from None
+        if not 0 <= first <= last < size:
+            raise RecipeError(f"--tp-rank {text!r}: outside 0..{size - 1}")
+        ranks.update(range(first, last + 1))
+    return sorted(ranks)
 
 
 def _health(socket: str, timeout: float) -> int:

@@ -48,26 +48,30 @@ class StartupError(RuntimeError):
     """The daemon cannot start: bad socket path, or the socket is already served."""
 
 
+@dataclass(frozen=True)
+class PreloadSpec:
+    """One model to load at start: a checkpoint folder under a recipe and placement."""
+
+    path: str
+    recipe: Recipe = field(default_factory=Recipe)
+    placement: Placement = field(default_factory=Placement)
+    fingerprint_level: Level = "sampled"
+
+
 @dataclass
 class DaemonConfig:
     """Everything the daemon is started with.
 
     Attributes:
         socket: Unix socket path.
-        preload: checkpoint folders to load at start.
-        recipe: recipe for the start-up preloads.
-        placement: placement for the start-up preloads.
-        fingerprint_level: content level for the start-up preloads.
+        preload: models to load at start.
         options: permissions for remote requests, and the drain timeout.
         budget: admission control for arenas.
         grace: seconds in-flight RPCs get at shutdown, after the drain.
     """
 
     socket: str
-    preload: list[str] = field(default_factory=list)
-    recipe: Recipe = field(default_factory=Recipe)
-    placement: Placement = field(default_factory=Placement)
-    fingerprint_level: Level = "sampled"
+    preload: list[PreloadSpec] = field(default_factory=list)
     options: ServiceOptions = field(default_factory=ServiceOptions)
     budget: MemoryBudget = field(default_factory=MemoryBudget)
     grace: float = 1.0
@@ -208,14 +212,14 @@ class Daemon:
     async def _preload_startup(self) -> None:
         cfg = self.config
         tasks = []
-        for path in cfg.preload:
+        for spec in cfg.preload:
             try:
                 _, task = await self.service.begin_load(
-                    path, cfg.recipe, cfg.placement, cfg.fingerprint_level
+                    spec.path, spec.recipe, spec.placement, spec.fingerprint_level
                 )
                 tasks.append(task)
             except WeightCacheError as err:
-                log.error("cannot preload", path=path, reason=err.reason, error=err.detail)
+                log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
         await asyncio.gather(*(asyncio.shield(task) for task in tasks))
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         entries = self.store.entries()

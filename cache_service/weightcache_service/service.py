@@ -16,7 +16,7 @@ import structlog
 import torch
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from weightcache._checkpoint import open_checkpoint
+from weightcache._checkpoint import Checkpoint, open_checkpoint
 from weightcache._errors import (
     DrainingError,
     FingerprintMismatchError,
@@ -27,8 +27,10 @@ from weightcache._errors import (
     PermissionDeniedError,
     WeightCacheError,
 )
-from weightcache._fingerprint import Level, compute_fingerprint
-from weightcache._recipe import Placement, Recipe, parse_dtype
+from weightcache._fingerprint import Fingerprint, Level, compute_fingerprint
+from weightcache._plugins import PluginStep
+from weightcache._recipe import Pipeline, Placement, Recipe, parse_dtype
+from weightcache._tp import TPPlan
 from weightcache._version import PROTOCOL_VERSION, __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
@@ -43,6 +45,7 @@ MAX_ID_CHARS = 128
 MAX_PATH_CHARS = 4096
 MAX_COMPONENTS = 100_000
 MAX_LEASES_PER_REQUEST = 4096
+MAX_RECIPE_ITEMS = 256
 PROGRESS_INTERVAL = 0.25
 _LEVELS: dict[int, Level] = {
     pb.FINGERPRINT_LEVEL_UNSPECIFIED: "sampled",
@@ -63,11 +66,13 @@ class ServiceOptions:
         model_roots: folders (realpath) a remote Preload path must resolve inside.
         drain_timeout: seconds lease holders get after REVOKING (a forced Evict, or a
             drain at SIGTERM) before the memory is freed.
+        allowed_plugins: recipe plugins a remote Preload may name.
     """
 
     allow_remote_preload: bool = False
     model_roots: list[Path] = field(default_factory=list)
     drain_timeout: float = 30.0
+    allowed_plugins: frozenset[str] = frozenset()
 
 
 async def abort(context: grpc.aio.ServicerContext[Any, Any], error: WeightCacheError) -> None:
@@ -147,12 +152,13 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             ModelExistsError: the fingerprint is already held.
         """
 
-        def prepare() -> tuple[Any, Any]:
+        def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
             checkpoint = open_checkpoint(path)
-            return checkpoint, compute_fingerprint(checkpoint, recipe, placement, level)
+            pipeline = recipe.build(checkpoint, placement)
+            return checkpoint, pipeline, compute_fingerprint(checkpoint, pipeline, placement, level)
 
-        checkpoint, fp = await asyncio.to_thread(prepare)
-        entry = self.store.add(checkpoint, recipe, placement, fp)
+        checkpoint, pipeline, fp = await asyncio.to_thread(prepare)
+        entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
         log.info("loading", model=entry.name, path=str(checkpoint.root), bytes=entry.size)
         task = asyncio.create_task(asyncio.to_thread(self.store.load, entry))
         self._loads.add(task)
@@ -190,7 +196,7 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
     ) -> AsyncIterator[pb.PreloadResponse]:
         try:
             path = self._allowed_path(request.path)
-            recipe = Recipe(dtype=parse_dtype(request.recipe.dtype or None))
+            recipe = self._allowed_recipe(request.recipe)
             placement = Placement(request.placement.tp_rank, request.placement.tp_size or 1)
             level = _LEVELS.get(request.fingerprint_level)
             if level is None:
@@ -208,6 +214,27 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             yield pb.PreloadResponse(model=entry.name, state=entry.state, progress=_progress(entry))
         except WeightCacheError as err:
             await abort(context, err)
+
+    def _allowed_recipe(self, message: pb.Recipe) -> Recipe:
+        if len(message.plugins) > MAX_RECIPE_ITEMS or len(message.tp_rules) > MAX_RECIPE_ITEMS:
+            raise InvalidArgumentError(
+                f"over {MAX_RECIPE_ITEMS} plugins or rules", metadata={"field": "recipe"}
+            )
+        steps = []
+        for plugin in message.plugins:
+            if plugin.name not in self.options.allowed_plugins:
+                raise PermissionDeniedError(
+                    f"recipe plugin {plugin.name!r} is not allowed; the operator allows "
+                    f"{sorted(self.options.allowed_plugins)} (--allow-recipe)",
+                    metadata={"plugin": plugin.name[:MAX_ID_CHARS]},
+                )
+            steps.append(PluginStep(plugin.name, tuple(sorted(plugin.params.items()))))
+        rules = tuple((r.pattern, r.style) for r in message.tp_rules)
+        return Recipe(
+            dtype=parse_dtype(message.dtype or None),
+            tp_plan=TPPlan(rules) if rules else None,
+            plugins=tuple(steps),
+        )
 
     def _allowed_path(self, path: str) -> str:
         if not self.options.allow_remote_preload:
@@ -455,7 +482,7 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
                 ],
             ),
             path=str(entry.checkpoint.root),
-            recipe=pb.Recipe(dtype=entry.recipe.dtype or ""),
+            recipe=recipe_pb(entry.pipeline),
             placement=pb.Placement(
                 tp_rank=entry.placement.tp_rank, tp_size=entry.placement.tp_size
             ),
@@ -470,6 +497,22 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         if entry.state == pb.MODEL_STATE_READY:
             model.load_duration.CopyFrom(_duration(entry.load_seconds))
         return model
+
+
+def recipe_pb(pipeline: Pipeline) -> pb.Recipe:
+    """The recipe as resolved for a model (its plan and plugins as they were applied)."""
+    identity = pipeline.identity
+    return pb.Recipe(
+        dtype=identity["dtype"] or "",
+        plugins=[
+            pb.RecipePlugin(name=step["name"], params=dict(step["params"]))
+            for step in identity["plugins"]
+        ],
+        tp_rules=[
+            pb.TensorParallelRule(pattern=pattern, style=style)
+            for pattern, style in identity["tp_plan"] or []
+        ],
+    )
 
 
 def _progress(entry: Entry) -> pb.LoadProgress:

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from weightcache._checkpoint import Checkpoint, ShardReader, TensorInfo
+from weightcache._checkpoint import Checkpoint
 from weightcache._errors import (
     FingerprintMismatchError,
     ModelExistsError,
@@ -23,7 +23,8 @@ from weightcache._errors import (
     WeightCacheError,
 )
 from weightcache._fingerprint import Fingerprint
-from weightcache._recipe import Placement, Recipe
+from weightcache._pipeline import CheckpointReader, materialize
+from weightcache._recipe import Pipeline, Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import SharedMemoryArena, Slot, plan_slots
 from weightcache_service.budget import MemoryBudget
@@ -37,6 +38,7 @@ class Entry:
     checkpoint: Checkpoint
     recipe: Recipe
     placement: Placement
+    pipeline: Pipeline
     fingerprint: Fingerprint
     state: pb.ModelState = pb.MODEL_STATE_LOADING
     slots: list[Slot] = field(default_factory=list)
@@ -82,9 +84,14 @@ class Store:
         return entry
 
     def add(
-        self, checkpoint: Checkpoint, recipe: Recipe, placement: Placement, fp: Fingerprint
+        self,
+        checkpoint: Checkpoint,
+        recipe: Recipe,
+        placement: Placement,
+        pipeline: Pipeline,
+        fp: Fingerprint,
     ) -> Entry:
-        """Register a model in state LOADING and size its arena from the headers.
+        """Register a model in state LOADING and size its arena from the planned specs.
 
         Raises:
             ModelExistsError: a model with the same fingerprint is already held.
@@ -100,19 +107,22 @@ class Store:
                     f"model {entry.name!r} already holds this fingerprint",
                     metadata={"model": entry.name},
                 )
-        entry = Entry(self._unique_name(checkpoint), checkpoint, recipe, placement, fp)
-        specs = []
-        for info in checkpoint.tensors.values():
-            spec = recipe.plan(info)
-            specs.append((info.name, spec.dtype, spec.shape))
-        entry.slots, entry.size = plan_slots(specs)
+        name = self._unique_name(checkpoint, recipe, placement)
+        entry = Entry(name, checkpoint, recipe, placement, pipeline, fp)
+        entry.slots, entry.size = plan_slots(
+            (name, node.spec.dtype, node.spec.shape) for name, node in pipeline.nodes.items()
+        )
         if self.budget is not None:
             self.budget.check(entry.name, entry.size, self.held_bytes())
         self._entries[entry.name] = entry
         return entry
 
-    def _unique_name(self, checkpoint: Checkpoint) -> str:
+    def _unique_name(self, checkpoint: Checkpoint, recipe: Recipe, placement: Placement) -> str:
         base = os.path.basename(checkpoint.root) or "model"
+        if placement.tp_size > 1:
+            base += f"-tp{placement.tp_rank}of{placement.tp_size}"
+        if recipe.dtype:
+            base += f"-{recipe.dtype.lower()}"
         name, n = base, 1
         while name in self._entries:
             n += 1
@@ -131,14 +141,12 @@ class Store:
         start = time.monotonic()
         try:
             entry.arena = SharedMemoryArena(entry.size, self._prefix)
-            slots = {slot.name: slot for slot in entry.slots}
-            for shard in entry.checkpoint.shards:
-                with ShardReader(shard) as reader:
-                    for info in shard.tensors:
-                        self._load_tensor(entry, entry.arena, reader, info, slots[info.name])
+            with CheckpointReader(entry.checkpoint) as reader:
+                for slot in entry.slots:
+                    self._load_tensor(entry, entry.arena, reader, slot)
         except WeightCacheError as exc:
             entry.failure = exc
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
             entry.failure = ModelFailedError(f"{entry.name}: {exc}")
         if entry.failure is not None:
             entry.error = str(entry.failure)
@@ -151,14 +159,16 @@ class Store:
 
     @staticmethod
     def _load_tensor(
-        entry: Entry, arena: SharedMemoryArena, reader: ShardReader, info: TensorInfo, slot: Slot
+        entry: Entry, arena: SharedMemoryArena, reader: CheckpointReader, slot: Slot
     ) -> None:
         if entry.cancelled:
             raise ModelFailedError(f"load of {entry.name!r} cancelled at shutdown")
-        if entry.recipe.passthrough(info):
-            arena.read_into(slot, lambda out: reader.read_into(info, out))
+        node = entry.pipeline.nodes[slot.name]
+        stored = node.stored
+        if stored is not None:
+            arena.read_into(slot, lambda out: reader.read_into(stored, out))
         else:
-            arena.write(slot, entry.recipe.apply(info, reader.read(info)))
+            arena.write(slot, materialize(node, reader))
         entry.bytes_done += slot.nbytes
         entry.tensors_done += 1
 

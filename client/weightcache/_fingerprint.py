@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from weightcache._checkpoint import Checkpoint, ShardInfo
-from weightcache._recipe import Placement, Recipe
+from weightcache._recipe import Pipeline, Placement, Recipe
 
 FORMAT = "weightcache.fingerprint/1"
 SAMPLE_BYTES = 64
@@ -51,21 +51,25 @@ class Fingerprint:
 
 def compute_fingerprint(
     checkpoint: Checkpoint,
-    recipe: Recipe,
+    recipe: Recipe | Pipeline,
     placement: Placement,
     level: Level = "sampled",
 ) -> Fingerprint:
-    """Fingerprint a validated checkpoint under a recipe and placement.
+    """Fingerprint a validated checkpoint under a recipe (or the pipeline already built
+    from it for this checkpoint and placement) and a placement.
 
     Raises:
         ValueError: ``level`` is not ``"layout"`` or ``"sampled"``.
+        RecipeError: the recipe cannot be built for this checkpoint.
         OSError: a shard cannot be read.
     """
+    if isinstance(recipe, Recipe):
+        recipe = recipe.build(checkpoint, placement)
     if level not in LEVELS:
         raise ValueError(f"unknown fingerprint level {level!r}; use one of {LEVELS}")
     parts: dict[str, Any] = {
         "format": {"format": FORMAT, "level": level},
-        "recipe": recipe.identity(),
+        "recipe": recipe.identity,
         "placement": placement.identity(),
     }
     for shard in checkpoint.shards:

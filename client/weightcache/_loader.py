@@ -25,7 +25,7 @@ import structlog
 import torch
 from google.protobuf import duration_pb2
 
-from weightcache._checkpoint import Checkpoint, iter_tensors, open_checkpoint
+from weightcache._checkpoint import Checkpoint, open_checkpoint
 from weightcache._errors import (
     DaemonUnavailableError,
     FingerprintMismatchError,
@@ -44,7 +44,8 @@ from weightcache._lease import (
     RevokePolicy,
     session_for,
 )
-from weightcache._recipe import Placement, Recipe, parse_dtype
+from weightcache._pipeline import CheckpointReader, materialize
+from weightcache._recipe import Pipeline, Placement, Recipe, parse_dtype
 from weightcache._rpc import call, connect, default_socket
 from weightcache._version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -165,6 +166,7 @@ def load(
     *,
     socket: str | None = None,
     dtype: str | torch.dtype | None = None,
+    recipe: Recipe | None = None,
     mode: Mode = "zero_copy",
     fallback: bool = True,
     fingerprint_level: Level = "sampled",
@@ -182,6 +184,7 @@ def load(
         model_dir: checkpoint folder (``model.safetensors`` or a sharded index).
         socket: daemon socket; default ``$WEIGHTCACHE_SOCKET`` or the per-user path.
         dtype: cast floating tensors (``"BF16"``, ``torch.float16``, ...); None keeps them.
+        recipe: the full recipe (dtype, tensor-parallel plan, plugins); overrides ``dtype``.
         mode: ``"zero_copy"`` maps the daemon's arena copy-on-write and holds a lease;
             ``"copy"`` copies into private memory and releases at once.
         fallback: load from disk, with the reason recorded, when the daemon cannot serve.
@@ -203,7 +206,8 @@ def load(
     Raises:
         InvalidCheckpointError: the checkpoint is malformed (either path).
         RecipeError: the dtype or placement is invalid.
-        ValueError: ``mode`` or ``lease_policy`` is not one of the documented values.
+        ValueError: ``mode``, ``lease_policy`` or ``on_revoke`` is not one of the documented
+            values, or both ``recipe`` and ``dtype`` are given.
         DaemonUnavailableError, FingerprintMismatchError, ModelNotFoundError,
         ModelLoadingError, RemoteError: only with ``fallback=False``, when the daemon
             cannot serve the weights.
@@ -215,9 +219,9 @@ def load(
     if on_revoke not in REVOKE_POLICIES:
         raise ValueError(f"on_revoke must be one of {REVOKE_POLICIES}, not {on_revoke!r}")
     checkpoint = open_checkpoint(model_dir)
-    recipe = Recipe(dtype=parse_dtype(dtype))
     placement = Placement(tp_rank, tp_size)
-    fp = compute_fingerprint(checkpoint, recipe, placement, fingerprint_level)
+    pipeline = _recipe_of(recipe, dtype).build(checkpoint, placement)
+    fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
     attach = _Attach(
         socket=socket or default_socket(),
         mode=mode,
@@ -238,13 +242,14 @@ def load(
     log.warning(
         "loading from disk", reason=reason.code, detail=reason.detail, path=str(checkpoint.root)
     )
-    return _from_disk(checkpoint, recipe, fp, reason)
+    return _from_disk(checkpoint, pipeline, fp, reason)
 
 
 def load_from_disk(
     model_dir: str | os.PathLike[str],
     *,
     dtype: str | torch.dtype | None = None,
+    recipe: Recipe | None = None,
     fingerprint_level: Level = "sampled",
     tp_rank: int = 0,
     tp_size: int = 1,
@@ -256,15 +261,25 @@ def load_from_disk(
         RecipeError: the dtype or placement is invalid.
     """
     checkpoint = open_checkpoint(model_dir)
-    recipe = Recipe(dtype=parse_dtype(dtype))
-    fp = compute_fingerprint(checkpoint, recipe, Placement(tp_rank, tp_size), fingerprint_level)
-    return _from_disk(checkpoint, recipe, fp, None)
+    placement = Placement(tp_rank, tp_size)
+    pipeline = _recipe_of(recipe, dtype).build(checkpoint, placement)
+    fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
+    return _from_disk(checkpoint, pipeline, fp, None)
+
+
+def _recipe_of(recipe: Recipe | None, dtype: str | torch.dtype | None) -> Recipe:
+    if recipe is None:
+        return Recipe(dtype=parse_dtype(dtype))
+    if dtype is not None:
+        raise ValueError("give dtype inside the recipe, not beside it")
+    return recipe
 
 
 def _from_disk(
-    checkpoint: Checkpoint, recipe: Recipe, fp: Fingerprint, reason: FallbackReason | None
+    checkpoint: Checkpoint, pipeline: Pipeline, fp: Fingerprint, reason: FallbackReason | None
 ) -> LoadedWeights:
-    tensors = {info.name: recipe.apply(info, t) for info, t in iter_tensors(checkpoint)}
+    with CheckpointReader(checkpoint) as reader:
+        tensors = {name: materialize(node, reader) for name, node in pipeline.nodes.items()}
     return LoadedWeights(
         tensors, source="disk", fingerprint=fp, checkpoint=checkpoint, fallback_reason=reason
     )

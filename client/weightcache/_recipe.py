@@ -1,31 +1,30 @@
-"""Processing recipes: what is done to each tensor between the file and the arena.
+"""Processing recipes: what is done to the stored tensors before they are held.
 
-The same code runs in the daemon (before pinning) and in the worker (on the disk path), so
-the two give the same bytes. A recipe first *plans* every tensor from the header alone (the
-daemon sizes the arena before reading any data), then *applies* itself tensor by tensor.
+A recipe runs three stages, in this order, on the graph of :mod:`weightcache._pipeline`:
+
+1. tensor-parallel sharding for the placement (when ``tp_size > 1``; :mod:`weightcache._tp`);
+2. plugins, in the order given (:mod:`weightcache._plugins`), on the rank's shards;
+3. a ``dtype`` cast of floating tensors; integer, bool and fp8 tensors are never cast.
+
+The same code runs in the daemon and in the worker's disk path, so both give the same bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from weightcache._checkpoint import TensorInfo
+from weightcache._checkpoint import Checkpoint
 from weightcache._dtypes import CASTABLE, TORCH_DTYPES
 from weightcache._errors import RecipeError
+from weightcache._pipeline import Node, TensorSpec, stored_nodes
+from weightcache._plugins import PluginStep
+from weightcache._tp import TPPlan, shard_nodes
 
-RECIPE_NAME = "weightcache.dtype"
-RECIPE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor as it will be held: safetensors dtype name and shape."""
-
-    dtype: str
-    shape: tuple[int, ...]
+RECIPE_NAME = "weightcache.recipe"
+RECIPE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -50,15 +49,21 @@ class Placement:
 
 @dataclass(frozen=True)
 class Recipe:
-    """Cast floating tensors to ``dtype`` (a safetensors name); ``None`` keeps them as stored.
+    """The processing applied before weights are held.
 
-    Integer, bool and fp8 tensors are never cast: a cast would change their meaning.
+    Attributes:
+        dtype: cast floating tensors to this safetensors dtype; None keeps them.
+        tp_plan: tensor-parallel rules; None takes the ``base_model_tp_plan`` of the
+            checkpoint's transformers config when ``tp_size > 1``.
+        plugins: plugin steps, applied in order.
 
     Raises:
         RecipeError: ``dtype`` is not one of ``BF16``, ``F16``, ``F32``, ``F64``.
     """
 
     dtype: str | None = None
+    tp_plan: TPPlan | None = None
+    plugins: tuple[PluginStep, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in CASTABLE:
@@ -66,29 +71,57 @@ class Recipe:
                 f"unsupported recipe dtype {self.dtype!r}; use one of {sorted(CASTABLE)}"
             )
 
-    def identity(self) -> dict[str, Any]:
-        """The recipe's part of the fingerprint: name, version and parameters."""
-        return {"name": RECIPE_NAME, "version": RECIPE_VERSION, "params": {"dtype": self.dtype}}
+    def build(self, checkpoint: Checkpoint, placement: Placement) -> Pipeline:
+        """Resolve the plan and plugins for a checkpoint and plan every output tensor.
 
-    def plan(self, info: TensorInfo) -> TensorSpec:
-        """The dtype and shape ``info`` will have once processed (from the header only)."""
-        return TensorSpec(self._target(info.dtype), info.shape)
+        Raises:
+            RecipeError: no plan can be found for ``tp_size > 1``; a split dimension is
+                not divisible; a plugin is missing or fails to plan.
+        """
+        plan = None
+        if placement.tp_size > 1:
+            plan = self.tp_plan or TPPlan.from_transformers(checkpoint.root)
+        nodes = stored_nodes(checkpoint)
+        if plan is not None:
+            nodes = shard_nodes(nodes, plan, placement.tp_rank, placement.tp_size)
+        steps = []
+        for step in self.plugins:
+            plugin = step.load()
+            try:
+                nodes = plugin.transform(nodes, dict(step.params))
+            except (KeyError, ValueError, IndexError) as exc:
+                raise RecipeError(f"recipe plugin {step.name!r} failed: {exc}") from None
+            steps.append({"name": plugin.name, "version": plugin.version, "params": step.params})
+        if self.dtype is not None:
+            nodes = {name: _cast(node, self.dtype) for name, node in nodes.items()}
+        identity = {
+            "name": RECIPE_NAME,
+            "version": RECIPE_VERSION,
+            "dtype": self.dtype,
+            "tp_plan": plan.identity() if plan is not None else None,
+            "plugins": steps,
+        }
+        return Pipeline(nodes=nodes, identity=identity)
 
-    def passthrough(self, info: TensorInfo) -> bool:
-        """Whether the recipe leaves ``info`` as stored (its bytes can be copied as they are)."""
-        return self._target(info.dtype) == info.dtype
 
-    def apply(self, info: TensorInfo, tensor: torch.Tensor) -> torch.Tensor:
-        """Process one tensor read from the checkpoint; returns it unchanged when no cast."""
-        target = self._target(info.dtype)
-        if target == info.dtype:
-            return tensor
-        return tensor.to(TORCH_DTYPES[target])
+@dataclass(frozen=True)
+class Pipeline:
+    """A recipe resolved for one checkpoint and placement.
 
-    def _target(self, dtype: str) -> str:
-        if self.dtype is None or dtype not in CASTABLE:
-            return dtype
-        return self.dtype
+    Attributes:
+        nodes: output name -> node, in output order.
+        identity: the recipe's part of the fingerprint (resolved plan, plugin versions).
+    """
+
+    nodes: dict[str, Node]
+    identity: dict[str, Any]
+
+
+def _cast(node: Node, dtype: str) -> Node:
+    if node.spec.dtype not in CASTABLE or node.spec.dtype == dtype:
+        return node
+    target = TORCH_DTYPES[dtype]
+    return node.derive(TensorSpec(dtype, node.spec.shape), lambda t: t.to(target))
 
 
 def parse_dtype(value: str | torch.dtype | None) -> str | None:

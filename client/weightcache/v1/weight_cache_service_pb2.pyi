@@ -94,10 +94,37 @@ class Fingerprint(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., level: _Optional[_Union[FingerprintLevel, str]] = ..., components: _Optional[_Iterable[_Union[FingerprintComponent, _Mapping]]] = ...) -> None: ...
 
 class Recipe(_message.Message):
-    __slots__ = ("dtype",)
+    __slots__ = ("dtype", "plugins", "tp_rules")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PLUGINS_FIELD_NUMBER: _ClassVar[int]
+    TP_RULES_FIELD_NUMBER: _ClassVar[int]
     dtype: str
-    def __init__(self, dtype: _Optional[str] = ...) -> None: ...
+    plugins: _containers.RepeatedCompositeFieldContainer[RecipePlugin]
+    tp_rules: _containers.RepeatedCompositeFieldContainer[TensorParallelRule]
+    def __init__(self, dtype: _Optional[str] = ..., plugins: _Optional[_Iterable[_Union[RecipePlugin, _Mapping]]] = ..., tp_rules: _Optional[_Iterable[_Union[TensorParallelRule, _Mapping]]] = ...) -> None: ...
+
+class RecipePlugin(_message.Message):
+    __slots__ = ("name", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TensorParallelRule(_message.Message):
+    __slots__ = ("pattern", "style")
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    STYLE_FIELD_NUMBER: _ClassVar[int]
+    pattern: str
+    style: str
+    def __init__(self, pattern: _Optional[str] = ..., style: _Optional[str] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("tp_rank", "tp_size")
