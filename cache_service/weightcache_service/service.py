@@ -27,7 +27,13 @@ from weightcache._errors import (
     PermissionDeniedError,
     WeightCacheError,
 )
-from weightcache._fingerprint import Fingerprint, Level, compute_fingerprint
+from weightcache._fingerprint import (
+    Fingerprint,
+    Level,
+    compute_fingerprint,
+    fingerprint_pb,
+    level_from_pb,
+)
 from weightcache._plugins import PluginStep
 from weightcache._recipe import Pipeline, Placement, Recipe, parse_dtype
 from weightcache._tp import TPPlan
@@ -47,12 +53,6 @@ MAX_COMPONENTS = 100_000
 MAX_LEASES_PER_REQUEST = 4096
 MAX_RECIPE_ITEMS = 256
 PROGRESS_INTERVAL = 0.25
-_LEVELS: dict[int, Level] = {
-    pb.FINGERPRINT_LEVEL_UNSPECIFIED: "sampled",
-    pb.FINGERPRINT_LEVEL_LAYOUT: "layout",
-    pb.FINGERPRINT_LEVEL_SAMPLED: "sampled",
-}
-LEVEL_ENUM = {"layout": pb.FINGERPRINT_LEVEL_LAYOUT, "sampled": pb.FINGERPRINT_LEVEL_SAMPLED}
 
 R = TypeVar("R")
 
@@ -198,7 +198,7 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             path = self._allowed_path(request.path)
             recipe = self._allowed_recipe(request.recipe)
             placement = Placement(request.placement.tp_rank, request.placement.tp_size or 1)
-            level = _LEVELS.get(request.fingerprint_level)
+            level = level_from_pb(request.fingerprint_level)
             if level is None:
                 raise InvalidArgumentError(
                     "unsupported fingerprint_level", metadata={"field": "fingerprint_level"}
@@ -470,17 +470,10 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         )
 
     def _model_pb(self, entry: Entry) -> pb.Model:
-        fp = entry.fingerprint
         model = pb.Model(
             name=entry.name,
             state=entry.state,
-            fingerprint=pb.Fingerprint(
-                digest=fp.digest,
-                level=LEVEL_ENUM[fp.level],
-                components=[
-                    pb.FingerprintComponent(name=n, digest=d) for n, d in fp.components.items()
-                ],
-            ),
+            fingerprint=fingerprint_pb(entry.fingerprint),
             path=str(entry.checkpoint.root),
             recipe=recipe_pb(entry.pipeline),
             placement=pb.Placement(

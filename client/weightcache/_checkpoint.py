@@ -102,12 +102,34 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def hub_snapshot(cache_root: str | os.PathLike[str], repo_id: str, revision: str = "main") -> Path:
+    """The snapshot folder of a Hugging Face hub cache: ``models--ORG--NAME/snapshots/REV``.
+
+    ``revision`` is a commit hash, or a branch or tag resolved through ``refs/`` (the
+    layout ``huggingface_hub`` writes; see its cache-system documentation).
+
+    Raises:
+        InvalidCheckpointError: the repository or revision is not in the cache.
+    """
+    repo = Path(cache_root) / ("models--" + repo_id.replace("/", "--"))
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = repo / "snapshots" / commit
+    if "/" in commit or not snapshot.is_dir():
+        raise InvalidCheckpointError(f"{repo_id}@{revision} is not in the hub cache {cache_root}")
+    return snapshot
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str], *, repo_id: str | None = None, revision: str = "main"
+) -> Checkpoint:
     """Open and validate a checkpoint folder, or a single ``.safetensors`` file.
 
     A folder with ``model.safetensors.index.json`` is read as sharded: only the shards the
     index names are read (stray ``.safetensors`` files are ignored). Otherwise the folder
-    must hold ``model.safetensors``.
+    must hold ``model.safetensors``. With ``repo_id``, ``path`` is a Hugging Face hub cache
+    root and the snapshot of ``revision`` is opened (:func:`hub_snapshot`). Every path is
+    resolved with realpath: a hub snapshot's shards are its blobs.
 
     Raises:
         InvalidCheckpointError: no checkpoint at ``path``; a header or index is malformed
@@ -115,6 +137,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             byte size disagreeing, offsets overlapping or past the end); a tensor name
             appears in two shards; the index names a missing shard or disagrees with it.
     """
+    if repo_id is not None:
+        path = hub_snapshot(path, repo_id, revision)
     root = Path(os.path.realpath(path))
     if root.is_file():
         return _assemble(root.parent, [root.name], weight_map=None)

@@ -10,6 +10,8 @@ Content levels (the checkpoint part):
 - ``layout``: shard name, size and sha256 of the raw header. Blind to a fine-tune.
 - ``sampled`` (default): layout plus, per tensor, its first, middle and last 64 bytes
   (every byte when the tensor is at most 192 bytes): O(tensors) small reads.
+- ``full``: layout plus the sha256 of every byte of each shard, cached on disk
+  (:mod:`weightcache._hashcache`; a hub-cache blob's name is its sha256).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from weightcache._checkpoint import Checkpoint, ShardInfo
+from weightcache._hashcache import file_sha256
 from weightcache._recipe import Pipeline, Placement, Recipe
+from weightcache.v1 import weight_cache_service_pb2 as pb
 
 FORMAT = "weightcache.fingerprint/1"
 SAMPLE_BYTES = 64
-Level = Literal["layout", "sampled"]
-LEVELS: tuple[Level, ...] = ("layout", "sampled")
+Level = Literal["layout", "sampled", "full"]
+LEVELS: tuple[Level, ...] = ("layout", "sampled", "full")
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ def compute_fingerprint(
     from it for this checkpoint and placement) and a placement.
 
     Raises:
-        ValueError: ``level`` is not ``"layout"`` or ``"sampled"``.
+        ValueError: ``level`` is not ``"layout"``, ``"sampled"`` or ``"full"``.
         RecipeError: the recipe cannot be built for this checkpoint.
         OSError: a shard cannot be read.
     """
@@ -91,6 +95,8 @@ def _shard_identity(shard: ShardInfo, level: Level) -> dict[str, Any]:
     }
     if level == "sampled":
         identity["content_sha256"] = _sampled_digest(shard)
+    elif level == "full":
+        identity["file_sha256"] = file_sha256(shard.path)
     return identity
 
 
@@ -113,3 +119,30 @@ def _sample_ranges(begin: int, nbytes: int) -> list[tuple[int, int]]:
     middle = begin + (nbytes - SAMPLE_BYTES) // 2
     end = begin + nbytes - SAMPLE_BYTES
     return [(begin, SAMPLE_BYTES), (middle, SAMPLE_BYTES), (end, SAMPLE_BYTES)]
+
+
+_LEVEL_TO_PB = {
+    "layout": pb.FINGERPRINT_LEVEL_LAYOUT,
+    "sampled": pb.FINGERPRINT_LEVEL_SAMPLED,
+    "full": pb.FINGERPRINT_LEVEL_FULL,
+}
+_LEVEL_FROM_PB: dict[int, Level] = {
+    pb.FINGERPRINT_LEVEL_UNSPECIFIED: "sampled",
+    pb.FINGERPRINT_LEVEL_LAYOUT: "layout",
+    pb.FINGERPRINT_LEVEL_SAMPLED: "sampled",
+    pb.FINGERPRINT_LEVEL_FULL: "full",
+}
+
+
+def fingerprint_pb(fp: Fingerprint) -> pb.Fingerprint:
+    """A fingerprint as its wire message."""
+    return pb.Fingerprint(
+        digest=fp.digest,
+        level=_LEVEL_TO_PB[fp.level],
+        components=[pb.FingerprintComponent(name=n, digest=d) for n, d in fp.components.items()],
+    )
+
+
+def level_from_pb(value: int) -> Level | None:
+    """The level a wire enum value names (unspecified: ``sampled``); None if unknown."""
+    return _LEVEL_FROM_PB.get(value)

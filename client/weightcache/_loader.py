@@ -33,7 +33,7 @@ from weightcache._errors import (
     ModelLoadingError,
     WeightCacheError,
 )
-from weightcache._fingerprint import Fingerprint, Level, compute_fingerprint
+from weightcache._fingerprint import Fingerprint, Level, compute_fingerprint, fingerprint_pb
 from weightcache._handles import HandleError, MappedArena, open_shared_memory
 from weightcache._lease import (
     POLICIES,
@@ -190,7 +190,8 @@ def load(
         fallback: load from disk, with the reason recorded, when the daemon cannot serve.
             Without it, wait up to ``wait_timeout`` for a daemon or a loading model, then
             raise.
-        fingerprint_level: ``"sampled"`` (default) or ``"layout"``; must match the daemon's.
+        fingerprint_level: ``"sampled"`` (default), ``"layout"`` or ``"full"``; must match
+            the level the daemon fingerprinted the model at.
         tp_rank, tp_size: tensor-parallel placement.
         ttl: lease TTL requested, in seconds (the daemon clamps it).
         wait_timeout: seconds to wait for a model the daemon is still loading (and, without
@@ -343,18 +344,11 @@ class _Attach:
 
 
 def _acquire_request(checkpoint: Checkpoint, fp: Fingerprint, ttl: float) -> pb.AcquireRequest:
-    level = pb.FINGERPRINT_LEVEL_LAYOUT if fp.level == "layout" else pb.FINGERPRINT_LEVEL_SAMPLED
     ttl_pb = duration_pb2.Duration()
     ttl_pb.FromNanoseconds(int(ttl * 1e9))
     return pb.AcquireRequest(
         request_id=uuid.uuid4().hex,
-        fingerprint=pb.Fingerprint(
-            digest=fp.digest,
-            level=level,
-            components=[
-                pb.FingerprintComponent(name=n, digest=d) for n, d in fp.components.items()
-            ],
-        ),
+        fingerprint=fingerprint_pb(fp),
         checkpoint_path=str(checkpoint.root),
         ttl=ttl_pb,
         environment=pb.Environment(
