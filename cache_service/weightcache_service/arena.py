@@ -76,16 +76,21 @@ class SharedMemoryArena:
         size: bytes, a multiple of 256.
         prefix: name prefix, ``weightcache-<socket tag>-<instance id>-``; a random
             component follows.
+        mode: permission bits (0600, or 0640 for a group).
+        gid: group to give the segment, or None.
 
     Raises:
         ResourceExhaustedError: /dev/shm has no room for ``size`` bytes.
     """
 
-    def __init__(self, size: int, prefix: str) -> None:
+    def __init__(self, size: int, prefix: str, mode: int = 0o600, gid: int | None = None) -> None:
         self.size = size
-        self.path = os.path.join(SHM_DIR, f"{prefix}{secrets.token_hex(8)}")
+        self.path = os.path.join(SHM_DIR, f"{prefix}{secrets.token_hex(16)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode)
             os.posix_fallocate(fd, 0, size)
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except OSError as exc:

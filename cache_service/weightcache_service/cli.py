@@ -31,12 +31,13 @@ from weightcache._recipe import Placement, Recipe, parse_dtype
 from weightcache._rpc import call, connect, default_socket, target
 from weightcache._tp import TPPlan
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.access import Access, AccessError
 from weightcache_service.budget import MemoryBudget, parse_size
 from weightcache_service.server import (
     SERVICE_NAME,
     DaemonConfig,
     PreloadSpec,
-    StartupError,
+    TcpListener,
     model_roots,
     run_daemon,
 )
@@ -114,6 +115,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     daemon.add_argument("--headroom", default="256MiB", help="bytes a preload must leave available")
     daemon.add_argument("--log-format", choices=("console", "json"), default="console")
+    daemon.add_argument(
+        "--group", default=None, help="group allowed to connect (folder 0750, socket 0660)"
+    )
+    daemon.add_argument("--listen", default=None, metavar="HOST:PORT", help="also serve TCP")
+    daemon.add_argument("--tls-cert", default=None, metavar="PEM")
+    daemon.add_argument("--tls-key", default=None, metavar="PEM")
+    daemon.add_argument("--tls-client-ca", default=None, metavar="PEM", help="mutual TLS")
+    daemon.add_argument(
+        "--insecure", action="store_true", help="plaintext TCP, loopback addresses only"
+    )
 
     for name, text in (
         ("ls", "list models"),
@@ -182,12 +193,26 @@ def _preload(args: argparse.Namespace, socket: str) -> int:
                 allowed_plugins=frozenset(args.allow_recipe),
             ),
             budget=MemoryBudget(max_bytes=max_bytes, percent=percent, headroom=headroom or 0),
+            access=Access.for_group(args.group),
+            tcp=_tcp(args),
         )
         run_daemon(config)
-    except (StartupError, SocketInUseError, WeightCacheError) as err:
+    except (AccessError, SocketInUseError, WeightCacheError) as err:
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
     return 0
+
+
+def _tcp(args: argparse.Namespace) -> TcpListener | None:
+    if args.listen is None:
+        return None
+    return TcpListener(
+        address=args.listen,
+        cert=args.tls_cert,
+        key=args.tls_key,
+        client_ca=args.tls_client_ca,
+        insecure=args.insecure,
+    )
 
 
 def parse_ranks(texts: list[str], size: int) -> list[int]:

@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import os
 import signal
-import stat
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from weightcache._fingerprint import Level
 from weightcache._recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
 from weightcache_service.arena import SEGMENT_PREFIX, remove_stale_segments
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.leases import LeaseTable
@@ -38,14 +38,51 @@ from weightcache_service.store import Store
 log = structlog.get_logger("weightcache.daemon")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
-#: sockaddr_un.sun_path is 108 bytes including the terminating NUL (unix(7)).
-MAX_SOCKET_PATH = 107
 REAP_INTERVAL = 0.2
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-class StartupError(RuntimeError):
-    """The daemon cannot start: bad socket path, or the socket is already served."""
+@dataclass(frozen=True)
+class TcpListener:
+    """``--listen HOST:PORT``: TLS unless ``insecure`` (then loopback only).
+
+    Attributes:
+        address: ``HOST:PORT``.
+        cert, key: PEM server certificate chain and private key (paths).
+        client_ca: PEM CA bundle (path); when set, clients must present a certificate
+            it signed (mutual TLS).
+        insecure: plaintext, allowed only on a loopback address.
+    """
+
+    address: str
+    cert: str | None = None
+    key: str | None = None
+    client_ca: str | None = None
+    insecure: bool = False
+
+    def bind(self, server: grpc.aio.Server) -> int:
+        """Add the port to ``server``; returns the port bound.
+
+        Raises:
+            AccessError: plaintext on a non-loopback address, TLS without cert and key,
+                or unreadable PEM files.
+        """
+        host, _ = parse_listen(self.address)
+        if self.insecure:
+            if not is_loopback(host):
+                raise AccessError(f"--insecure TCP only on loopback, not {host}")
+            return server.add_insecure_port(self.address)
+        if not (self.cert and self.key):
+            raise AccessError("--listen needs --tls-cert and --tls-key (or --insecure)")
+        try:
+            pair = (Path(self.key).read_bytes(), Path(self.cert).read_bytes())
+            ca = Path(self.client_ca).read_bytes() if self.client_ca else None
+        except OSError as exc:
+            raise AccessError(f"cannot read TLS files: {exc}") from None
+        creds = grpc.ssl_server_credentials(
+            [pair], root_certificates=ca, require_client_auth=bool(ca)
+        )
+        return server.add_secure_port(self.address, creds)
 
 
 @dataclass(frozen=True)
@@ -67,6 +104,8 @@ class DaemonConfig:
         preload: models to load at start.
         options: permissions for remote requests, and the drain timeout.
         budget: admission control for arenas.
+        access: socket and segment permissions (``--group``).
+        tcp: an extra TCP listener, or None.
         grace: seconds in-flight RPCs get at shutdown, after the drain.
     """
 
@@ -74,25 +113,14 @@ class DaemonConfig:
     preload: list[PreloadSpec] = field(default_factory=list)
     options: ServiceOptions = field(default_factory=ServiceOptions)
     budget: MemoryBudget = field(default_factory=MemoryBudget)
+    access: Access = field(default_factory=Access)
+    tcp: TcpListener | None = None
     grace: float = 1.0
 
 
 def socket_tag(socket: str) -> str:
     """Short stable tag of a socket path, used in its daemons' segment names."""
     return hashlib.sha256(os.path.realpath(socket).encode()).hexdigest()[:12]
-
-
-def _prepare_socket_dir(socket: str) -> None:
-    if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
-        raise StartupError(f"socket path is over {MAX_SOCKET_PATH} bytes: {socket}")
-    parent = os.path.dirname(os.path.abspath(socket))
-    if not os.path.lexists(parent):
-        os.makedirs(parent, mode=0o700)
-    info = os.lstat(parent)
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise StartupError(f"socket directory {parent} is a symlink or not a directory")
-    if info.st_uid != os.geteuid():
-        raise StartupError(f"socket directory {parent} is owned by uid {info.st_uid}, not us")
 
 
 class Daemon:
@@ -104,7 +132,11 @@ class Daemon:
         tag = socket_tag(config.socket)
         self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-"
         self._tag = tag
-        self.store = Store(self._segment_prefix, config.budget)
+        self.store = Store(
+            self._segment_prefix,
+            config.budget,
+            segment_access=(config.access.segment_mode, config.access.gid),
+        )
         self.service = WeightCacheService(
             self.store, leases or LeaseTable(), config.options, self.instance_id
         )
@@ -123,11 +155,11 @@ class Daemon:
         """Serve until :meth:`stop`; then free every arena, remove the socket, unlock.
 
         Raises:
-            StartupError: the socket path is unusable.
+            AccessError: the socket folder or the TCP listener is unusable or unsafe.
             SocketInUseError: another daemon serves the socket.
         """
         socket = self.config.socket
-        _prepare_socket_dir(socket)
+        self.config.access.prepare_folder(socket)
         lock = SocketLock(socket)
         try:
             self._clean_after_predecessor(socket)
@@ -168,10 +200,13 @@ class Daemon:
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
         try:
             server.add_insecure_port("unix:" + os.path.abspath(socket))
+            if self.config.tcp is not None:
+                port = self.config.tcp.bind(server)
+                log.info("listening on tcp", address=self.config.tcp.address, port=port)
             await server.start()
         finally:
             os.umask(old_umask)
-        os.chmod(socket, 0o600)
+        self.config.access.secure_path(socket, self.config.access.socket_mode)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("listening", socket=socket, instance=self.instance_id[:12], pid=os.getpid())
@@ -247,7 +282,7 @@ def run_daemon(config: DaemonConfig) -> None:
     """Run a daemon in the foreground until SIGTERM or SIGINT.
 
     Raises:
-        StartupError: the socket path is unusable.
+        AccessError: the socket folder or the TCP listener is unusable or unsafe.
         SocketInUseError: another daemon serves the socket.
     """
 

@@ -24,6 +24,7 @@ from weightcache._errors import (
     LeasesActiveError,
     ModelLoadingError,
     ModelNotFoundError,
+    NotSameHostError,
     PermissionDeniedError,
     WeightCacheError,
 )
@@ -40,6 +41,7 @@ from weightcache._tp import TPPlan
 from weightcache._version import PROTOCOL_VERSION, __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service.access import peer_is_local
 from weightcache_service.leases import Lease, LeaseTable
 from weightcache_service.status import to_grpc_status
 from weightcache_service.store import Entry, Store
@@ -274,6 +276,11 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         if self.draining:
             raise DrainingError("the daemon is draining; load from disk or retry elsewhere")
         _validate_acquire(request)
+        if not peer_is_local(context.peer()):
+            raise NotSameHostError(
+                "shared-memory handles open only on the daemon's host; connect over its "
+                "Unix socket or a loopback address"
+            )
         try:
             entry = self.store.find(request.fingerprint, request.checkpoint_path)
         except (FingerprintMismatchError, ModelNotFoundError) as err:

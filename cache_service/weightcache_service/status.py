@@ -28,6 +28,7 @@ _CODES: dict[str, int] = {
     "INVALID_RECIPE": code_pb2.INVALID_ARGUMENT,
     "MODEL_EXISTS": code_pb2.ALREADY_EXISTS,
     "DRAINING": code_pb2.UNAVAILABLE,
+    "NOT_SAME_HOST": code_pb2.FAILED_PRECONDITION,
 }
 
 

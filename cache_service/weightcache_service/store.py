@@ -61,11 +61,18 @@ class Store:
     Args:
         segment_prefix: prefix of this instance's /dev/shm segment names.
         budget: admission control for new arenas; none by default.
+        segment_access: (mode, group id or None) of new segments.
     """
 
-    def __init__(self, segment_prefix: str, budget: MemoryBudget | None = None) -> None:
+    def __init__(
+        self,
+        segment_prefix: str,
+        budget: MemoryBudget | None = None,
+        segment_access: tuple[int, int | None] = (0o600, None),
+    ) -> None:
         self._prefix = segment_prefix
         self.budget = budget
+        self._segment_access = segment_access
         self._entries: dict[str, Entry] = {}
 
     def entries(self) -> list[Entry]:
@@ -140,7 +147,8 @@ class Store:
     def _load(self, entry: Entry) -> None:
         start = time.monotonic()
         try:
-            entry.arena = SharedMemoryArena(entry.size, self._prefix)
+            mode, gid = self._segment_access
+            entry.arena = SharedMemoryArena(entry.size, self._prefix, mode=mode, gid=gid)
             with CheckpointReader(entry.checkpoint) as reader:
                 for slot in entry.slots:
                     self._load_tensor(entry, entry.arena, reader, slot)

@@ -11,6 +11,8 @@ Hierarchy::
     ├── InvalidCheckpointError      the checkpoint is malformed (both sides; never falls back)
     ├── RecipeError                 the recipe or placement cannot apply to this checkpoint
     ├── LeaseLostError              a lease ended while its tensors were in use
+    ├── UntrustedSocketError        the socket or a segment is a symlink or not trusted
+    ├── HandleError                 a storage handle cannot be opened or a view is bad
     └── RemoteError                 the daemon refused a request
         ├── FingerprintMismatchError    a held model differs; ``components`` says where
         ├── ModelNotFoundError          no held model resembles the request
@@ -22,7 +24,8 @@ Hierarchy::
         ├── PermissionDeniedError       remote Preload is off, or the path is not allowed
         ├── InvalidArgumentError        a request field is malformed (``field``)
         ├── ModelExistsError            Preload of a model already held
-        └── DrainingError               the daemon is shutting down
+        ├── DrainingError               the daemon is shutting down
+        └── NotSameHostError            Acquire over TCP from another host
 """
 
 from __future__ import annotations
@@ -82,6 +85,18 @@ class LeaseLostError(WeightCacheError):
     """A lease ended while its tensors were in use (daemon gone, expired, revoked)."""
 
     reason = "LEASE_LOST"
+
+
+class UntrustedSocketError(WeightCacheError):
+    """The socket, its folder or a segment is a symlink or belongs to an untrusted user."""
+
+    reason = "UNTRUSTED_SOCKET"
+
+
+class HandleError(WeightCacheError):
+    """A storage handle cannot be opened, or a tensor view does not fit its arena."""
+
+    reason = "INVALID_HANDLE"
 
 
 class RemoteError(WeightCacheError):
@@ -164,6 +179,12 @@ class DrainingError(RemoteError):
     reason = "DRAINING"
 
 
+class NotSameHostError(RemoteError):
+    """Acquire from another host: shared-memory and CUDA IPC handles open only locally."""
+
+    reason = "NOT_SAME_HOST"
+
+
 _REMOTE_BY_REASON: dict[str, type[WeightCacheError]] = {
     cls.reason: cls
     for cls in (
@@ -178,6 +199,7 @@ _REMOTE_BY_REASON: dict[str, type[WeightCacheError]] = {
         InvalidArgumentError,
         ModelExistsError,
         DrainingError,
+        NotSameHostError,
         InvalidCheckpointError,
     )
 }

@@ -18,16 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from weightcache._dtypes import TORCH_DTYPES
-from weightcache._errors import WeightCacheError
+from weightcache._errors import HandleError
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 SHM_DIR = "/dev/shm"
-
-
-class HandleError(WeightCacheError):
-    """A storage handle cannot be opened or a view does not fit it."""
-
-    reason = "INVALID_HANDLE"
 
 
 @dataclass
@@ -57,7 +51,11 @@ class MappedArena:
 
 
 def open_shared_memory(
-    handle: pb.SharedMemoryHandle, views: Sequence[pb.TensorView], *, copy: bool
+    handle: pb.SharedMemoryHandle,
+    views: Sequence[pb.TensorView],
+    *,
+    copy: bool,
+    owner: int | None = None,
 ) -> MappedArena:
     """Map a shared-memory arena and build one tensor per view.
 
@@ -66,16 +64,20 @@ def open_shared_memory(
         views: tensor views of the arena.
         copy: copy the whole arena into private memory first (one memcpy, tied views stay
             tied); the mapping is closed before returning.
+        owner: uid the segment must belong to (the daemon's); None skips the check.
 
     Raises:
         HandleError: the path is not a regular file directly under /dev/shm, is a symlink,
-            its size differs from the handle's, or a view lies outside the arena or has an
-            unknown dtype.
+            belongs to another uid than ``owner``, its size differs from the handle's, or a
+            view lies outside the arena or has an unknown dtype.
     """
     _check_path(handle.path)
     fd = _open_regular(handle.path)
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if owner is not None and info.st_uid != owner:
+            raise HandleError(f"{handle.path}: owned by uid {info.st_uid}, not the daemon's")
+        size = info.st_size
         if size != handle.size or size <= 0:
             raise HandleError(f"{handle.path}: size {size} does not match handle {handle.size}")
         mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)

@@ -29,12 +29,13 @@ from weightcache._checkpoint import Checkpoint, open_checkpoint
 from weightcache._errors import (
     DaemonUnavailableError,
     FingerprintMismatchError,
+    HandleError,
     LeaseLostError,
     ModelLoadingError,
     WeightCacheError,
 )
 from weightcache._fingerprint import Fingerprint, Level, compute_fingerprint, fingerprint_pb
-from weightcache._handles import HandleError, MappedArena, open_shared_memory
+from weightcache._handles import MappedArena, open_shared_memory
 from weightcache._lease import (
     POLICIES,
     REVOKE_POLICIES,
@@ -47,6 +48,7 @@ from weightcache._lease import (
 from weightcache._pipeline import CheckpointReader, materialize
 from weightcache._recipe import Pipeline, Placement, Recipe, parse_dtype
 from weightcache._rpc import call, connect, default_socket
+from weightcache._trust import check_socket, trusted_uids
 from weightcache._version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -68,6 +70,7 @@ _FALLBACK_REASONS = frozenset(
         "DRAINING",
         "RESOURCE_EXHAUSTED",
         "INVALID_HANDLE",
+        "UNTRUSTED_SOCKET",
     }
 )
 
@@ -177,6 +180,7 @@ def load(
     lease_policy: Policy = "raise",
     on_lease_lost: LostCallback | None = None,
     on_revoke: RevokePolicy = "copy",
+    trusted_uid: int | None = None,
 ) -> LoadedWeights:
     """Get a checkpoint's weights from the daemon, or from disk.
 
@@ -200,6 +204,8 @@ def load(
         on_lease_lost: called with the :class:`LeaseLostError` when the lease is lost.
         on_revoke: ``"copy"``, ``"raise"`` or ``"exit"``: what to do when the daemon
             revokes the lease (forced evict, drain); see :mod:`weightcache._lease`.
+        trusted_uid: a uid besides this user and root whose daemon socket is trusted
+            (default ``$WEIGHTCACHE_TRUSTED_UID``); see :mod:`weightcache._trust`.
 
     Returns:
         The weights; ``source`` says where they came from and ``fallback_reason`` why.
@@ -232,6 +238,7 @@ def load(
         policy=lease_policy,
         on_lost=on_lease_lost,
         on_revoke=on_revoke,
+        trusted=trusted_uids(trusted_uid),
     )
     try:
         return attach.run(checkpoint, fp)
@@ -298,15 +305,17 @@ class _Attach:
     policy: Policy
     on_lost: LostCallback | None
     on_revoke: RevokePolicy
+    trusted: frozenset[int]
 
     def run(self, checkpoint: Checkpoint, fp: Fingerprint) -> LoadedWeights:
+        owner = self._check_socket()
         request = _acquire_request(checkpoint, fp, self.ttl)
         reply = _acquire_with_wait(
             self.socket, request, self.wait_timeout, wait_for_daemon=self.wait_for_daemon
         )
         lease_id = reply.lease.lease_id
         try:
-            arena = self._map(reply)
+            arena = self._map(reply, owner)
         except WeightCacheError:
             release(self.socket, lease_id)
             raise
@@ -334,12 +343,22 @@ class _Attach:
         session_for(self.socket).add(weights.lease)
         return weights
 
-    def _map(self, reply: pb.AcquireResponse) -> MappedArena:
+    def _check_socket(self) -> int:
+        deadline = time.monotonic() + (self.wait_timeout if self.wait_for_daemon else 0.0)
+        while True:
+            try:
+                return check_socket(self.socket, self.trusted)
+            except FileNotFoundError:
+                if time.monotonic() + RETRY_INTERVAL > deadline:
+                    raise DaemonUnavailableError(f"no daemon socket at {self.socket}") from None
+                time.sleep(RETRY_INTERVAL)
+
+    def _map(self, reply: pb.AcquireResponse, owner: int) -> MappedArena:
         kind = reply.storage.WhichOneof("handle")
         if kind != "shared_memory":
             raise HandleError(f"the daemon offers a {kind} handle; this client maps shared memory")
         return open_shared_memory(
-            reply.storage.shared_memory, reply.tensors, copy=self.mode == "copy"
+            reply.storage.shared_memory, reply.tensors, copy=self.mode == "copy", owner=owner
         )
 
 

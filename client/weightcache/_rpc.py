@@ -20,6 +20,8 @@ from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
 ENV_SOCKET = "WEIGHTCACHE_SOCKET"
 T = TypeVar("T")
+#: Largest response accepted: an AcquireResponse of a model with very many tensors.
+MAX_RESPONSE_BYTES = 256 * 2**20
 
 
 def default_socket(device: str = "cpu") -> str:
@@ -55,7 +57,7 @@ def connect(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
     if not os.path.exists(socket):
         raise DaemonUnavailableError(f"no daemon socket at {socket}")
     channel = grpc.insecure_channel(
-        target(socket), options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+        target(socket), options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
     )
     return channel, pb_grpc.WeightCacheServiceStub(channel)
 
