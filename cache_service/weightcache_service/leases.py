@@ -13,9 +13,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from weightcache._errors import ResourceExhaustedError
+
 Clock = Callable[[], float]
 
 DEFAULT_TTL = 10.0
+MAX_LEASES = 65536
+MAX_LEASES_PER_PID = 1024
 MIN_TTL = 1.0
 MAX_TTL = 300.0
 
@@ -53,12 +57,15 @@ class LeaseTable:
         clock: monotonic seconds; ``time.monotonic`` unless a test injects one.
         min_ttl, max_ttl: bounds a requested TTL is clamped to, in seconds.
         default_ttl: TTL for a request that names none, in seconds.
+        max_leases, max_leases_per_pid: bounds on live leases, in all and per worker pid.
     """
 
     clock: Clock = time.monotonic
     min_ttl: float = MIN_TTL
     max_ttl: float = MAX_TTL
     default_ttl: float = DEFAULT_TTL
+    max_leases: int = MAX_LEASES
+    max_leases_per_pid: int = MAX_LEASES_PER_PID
     _leases: dict[str, Lease] = field(default_factory=dict)
     _by_request: dict[str, str] = field(default_factory=dict)
     _session_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -70,10 +77,20 @@ class LeaseTable:
         return min(max(ttl, self.min_ttl), self.max_ttl)
 
     def grant(self, model: str, ttl: float | None, request_id: str, pid: int) -> Lease:
-        """Grant a lease, or return the live one an earlier call with ``request_id`` granted."""
+        """Grant a lease, or return the live one an earlier call with ``request_id`` granted.
+
+        Raises:
+            ResourceExhaustedError: the daemon, or this pid, holds the most leases allowed.
+        """
         existing = self._by_request.get(request_id)
         if request_id and existing in self._leases:
             return self._leases[existing]
+        if len(self._leases) >= self.max_leases:
+            raise ResourceExhaustedError(f"the daemon holds {self.max_leases} leases already")
+        if sum(lease.pid == pid for lease in self._leases.values()) >= self.max_leases_per_pid:
+            raise ResourceExhaustedError(
+                f"pid {pid} holds {self.max_leases_per_pid} leases already; release some"
+            )
         granted = self.clamp(ttl)
         lease = Lease(
             lease_id=secrets.token_hex(16),

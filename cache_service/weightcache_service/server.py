@@ -39,7 +39,10 @@ log = structlog.get_logger("weightcache.daemon")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
 REAP_INTERVAL = 0.2
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Largest request accepted: requests carry ids, paths and a fingerprint, never data.
+MAX_REQUEST_BYTES = 4 * 2**20
+#: Largest response sent: an AcquireResponse of a model with very many tensors.
+MAX_RESPONSE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -182,8 +185,8 @@ class Daemon:
     async def _start_server(self, socket: str) -> grpc.aio.Server:
         server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                 ("grpc.so_reuseport", 0),
             ]
         )
