@@ -16,15 +16,16 @@ When the daemon pushes REVOKING (a forced evict, or a drain at SIGTERM), the lea
 - ``"raise"`` / ``"exit"``: treat the lease as lost (below), whatever its loss policy says
   for ``"raise"`` versus ``"exit"`` respectively.
 
-Policies, applied once, on the keepalive thread, when a lease is lost:
+Policies, applied once, on the keepalive thread, when a lease is lost (the
+``on_lease_lost`` callback, if any, runs first under each of them):
 
-- ``"raise"`` (default): :class:`LeaseLostError` from the next ``LoadedWeights.tensors``
-  access, after the ``on_lease_lost`` callback (if any) has run.
+- ``"raise"``: :class:`LeaseLostError` from the next ``LoadedWeights.tensors`` access.
 - ``"exit"``: log and ``os._exit(75)`` (EX_TEMPFAIL), so that a supervisor restarts the
   worker. Recommended where the memory may vanish (CUDA zero-copy).
-- ``"ignore"``: log and carry on. On the CPU backend a mapped arena stays readable after
-  the daemon exits (mmap(2): the mapping outlives the unlinked file), so this is safe
-  there; it is never safe on CUDA.
+- ``"ignore"``: log and carry on. The default for shared memory: a mapped arena stays
+  readable, with the same bytes, after the daemon exits or frees it (mmap(2): a mapping
+  outlives the unlinked file), so losing the lease loses nothing but the daemon's
+  accounting. It is never safe on CUDA, where freed memory is gone.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ log = structlog.get_logger("weightcache.lease")
 
 Policy = Literal["raise", "exit", "ignore"]
 POLICIES: tuple[Policy, ...] = ("raise", "exit", "ignore")
+#: The loss policy when none is given, for the shared-memory backend.
+SHARED_MEMORY_DEFAULT_POLICY: Policy = "ignore"
 RevokePolicy = Literal["copy", "raise", "exit"]
 REVOKE_POLICIES: tuple[RevokePolicy, ...] = ("copy", "raise", "exit")
 #: Exit status under the ``exit`` policy (EX_TEMPFAIL from sysexits.h).

@@ -39,6 +39,7 @@ from weightcache._handles import MappedArena, open_shared_memory
 from weightcache._lease import (
     POLICIES,
     REVOKE_POLICIES,
+    SHARED_MEMORY_DEFAULT_POLICY,
     ClientLease,
     LostCallback,
     Policy,
@@ -177,7 +178,7 @@ def load(
     tp_size: int = 1,
     ttl: float = 10.0,
     wait_timeout: float = 30.0,
-    lease_policy: Policy = "raise",
+    lease_policy: Policy | None = None,
     on_lease_lost: LostCallback | None = None,
     on_revoke: RevokePolicy = "copy",
     trusted_uid: int | None = None,
@@ -201,6 +202,8 @@ def load(
         wait_timeout: seconds to wait for a model the daemon is still loading (and, without
             fallback, for the daemon to come up).
         lease_policy: ``"raise"``, ``"exit"`` or ``"ignore"``; see :mod:`weightcache._lease`.
+            None picks the backend's default: ``"ignore"`` for shared memory, whose
+            mapping stays valid after the daemon is gone.
         on_lease_lost: called with the :class:`LeaseLostError` when the lease is lost.
         on_revoke: ``"copy"``, ``"raise"`` or ``"exit"``: what to do when the daemon
             revokes the lease (forced evict, drain); see :mod:`weightcache._lease`.
@@ -221,6 +224,8 @@ def load(
     """
     if mode not in ("zero_copy", "copy"):
         raise ValueError(f"mode must be 'zero_copy' or 'copy', not {mode!r}")
+    if lease_policy is None:
+        lease_policy = SHARED_MEMORY_DEFAULT_POLICY
     if lease_policy not in POLICIES:
         raise ValueError(f"lease_policy must be one of {POLICIES}, not {lease_policy!r}")
     if on_revoke not in REVOKE_POLICIES:
