@@ -14,6 +14,7 @@ import os
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,6 +25,24 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 ALIGNMENT = 256
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "weightcache-"
+
+
+class Arena(Protocol):
+    """What the store needs of a backend's arena (shared memory, CUDA)."""
+
+    size: int
+
+    def write(self, slot: Slot, tensor: torch.Tensor) -> None:
+        """Copy a tensor's bytes into its slot."""
+
+    def read_into(self, slot: Slot, fill: Callable[[memoryview], None]) -> None:
+        """Let ``fill`` produce the slot's bytes."""
+
+    def handle(self) -> pb.StorageHandle:
+        """The wire handle a worker opens."""
+
+    def close(self) -> None:
+        """Free the memory."""
 
 
 @dataclass(frozen=True)

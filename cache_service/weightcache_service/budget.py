@@ -54,7 +54,7 @@ def cpu_available_bytes(shm_dir: str = "/dev/shm") -> int:
     return shm_free
 
 
-@dataclass
+@dataclass(eq=False)
 class MemoryBudget:
     """Admission control for new arenas.
 
@@ -62,7 +62,6 @@ class MemoryBudget:
         max_bytes: fixed budget in bytes, or None.
         percent: budget as a percentage of what the backend had at start, or None.
         headroom: bytes that must stay available to others after a load.
-        available: reads what the backend has now, in bytes (injectable for tests).
     """
 
     max_bytes: int | None = None
@@ -71,7 +70,13 @@ class MemoryBudget:
     available: Callable[[], int] = cpu_available_bytes
 
     def __post_init__(self) -> None:
-        self._start_available = self.available()
+        self.bind(self.available)
+
+    def bind(self, available: Callable[[], int]) -> None:
+        """Measure against a backend: ``available()`` reads what it has now, in bytes; a
+        percentage budget is taken of what it has at this call."""
+        self.available = available
+        self._start_available = available()
 
     @property
     def limit(self) -> int | None:

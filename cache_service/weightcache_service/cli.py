@@ -24,6 +24,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from weightcache._cuda import device_uuid
 from weightcache._errors import RecipeError, WeightCacheError
 from weightcache._fingerprint import LEVELS, Level
 from weightcache._plugins import PluginStep
@@ -32,6 +33,7 @@ from weightcache._rpc import call, connect, default_socket, target
 from weightcache._tp import TPPlan
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.access import Access, AccessError
+from weightcache_service.backend import DeviceError, resolve_device
 from weightcache_service.budget import MemoryBudget, parse_size
 from weightcache_service.server import (
     SERVICE_NAME,
@@ -74,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     daemon = sub.add_parser("preload", help="run the daemon, preloading checkpoints")
     daemon.add_argument("models", nargs="*", metavar="MODEL_DIR")
     daemon.add_argument("--socket", default=None)
+    daemon.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (shared memory), or cuda:N / a GPU UUID (CUDA IPC, one daemon per GPU)",
+    )
     daemon.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32")
     daemon.add_argument("--tp-size", type=int, default=1, help="tensor-parallel world size")
     daemon.add_argument(
@@ -145,9 +152,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``weightcache`` command; returns the exit status."""
     args = _parser().parse_args(argv)
-    socket = args.socket or default_socket()
     if args.command == "preload":
-        return _preload(args, socket)
+        return _preload(args)
+    socket = args.socket or default_socket()
     if args.command == "health":
         return _health(socket, args.timeout)
     try:
@@ -161,7 +168,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
-def _preload(args: argparse.Namespace, socket: str) -> int:
+def _daemon_socket(args: argparse.Namespace) -> str:
+    """``--socket``, else the default path for the device: its UUID names a GPU's."""
+    if args.socket:
+        return str(args.socket)
+    if args.device == "cpu":
+        return default_socket()
+    return default_socket(device_uuid(resolve_device(args.device)))
+
+
+def _preload(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     level: Level = args.fingerprint_level
     try:
@@ -180,7 +196,8 @@ def _preload(args: argparse.Namespace, socket: str) -> int:
         )
         ranks = parse_ranks(args.tp_rank, args.tp_size)
         config = DaemonConfig(
-            socket=socket,
+            socket=_daemon_socket(args),
+            device=args.device,
             preload=[
                 PreloadSpec(path, recipe, Placement(rank, args.tp_size), level)
                 for path in args.models
@@ -197,7 +214,7 @@ def _preload(args: argparse.Namespace, socket: str) -> int:
             tcp=_tcp(args),
         )
         run_daemon(config)
-    except (AccessError, SocketInUseError, WeightCacheError) as err:
+    except (AccessError, DeviceError, SocketInUseError, WeightCacheError) as err:
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
     return 0

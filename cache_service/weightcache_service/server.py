@@ -29,6 +29,7 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
 from weightcache_service.arena import SEGMENT_PREFIX, remove_stale_segments
+from weightcache_service.backend import cpu_backend, cuda_backend, resolve_device
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.leases import LeaseTable
 from weightcache_service.service import ServiceOptions, WeightCacheService
@@ -109,6 +110,7 @@ class DaemonConfig:
         budget: admission control for arenas.
         access: socket and segment permissions (``--group``).
         tcp: an extra TCP listener, or None.
+        device: ``"cpu"`` (shared memory), or ``"cuda:N"`` / a GPU UUID (CUDA IPC).
         grace: seconds in-flight RPCs get at shutdown, after the drain.
     """
 
@@ -118,6 +120,7 @@ class DaemonConfig:
     budget: MemoryBudget = field(default_factory=MemoryBudget)
     access: Access = field(default_factory=Access)
     tcp: TcpListener | None = None
+    device: str = "cpu"
     grace: float = 1.0
 
 
@@ -135,13 +138,14 @@ class Daemon:
         tag = socket_tag(config.socket)
         self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-"
         self._tag = tag
-        self.store = Store(
-            self._segment_prefix,
-            config.budget,
-            segment_access=(config.access.segment_mode, config.access.gid),
-        )
+        if config.device == "cpu":
+            self.backend = cpu_backend(self._segment_prefix, config.access)
+        else:
+            self.backend = cuda_backend(resolve_device(config.device))
+        config.budget.bind(self.backend.available)
+        self.store = Store(self.backend.make_arena, config.budget)
         self.service = WeightCacheService(
-            self.store, leases or LeaseTable(), config.options, self.instance_id
+            self.store, leases or LeaseTable(), config.options, self.instance_id, self.backend
         )
         self.health = health_aio.HealthServicer()
         self._stop = asyncio.Event()
@@ -286,6 +290,7 @@ def run_daemon(config: DaemonConfig) -> None:
 
     Raises:
         AccessError: the socket folder or the TCP listener is unusable or unsafe.
+        DeviceError: ``config.device`` names no usable device.
         SocketInUseError: another daemon serves the socket.
     """
 

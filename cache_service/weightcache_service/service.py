@@ -42,13 +42,13 @@ from weightcache._version import PROTOCOL_VERSION, __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_is_local
+from weightcache_service.backend import Backend
 from weightcache_service.leases import Lease, LeaseTable
 from weightcache_service.status import to_grpc_status
 from weightcache_service.store import Entry, Store
 
 log = structlog.get_logger("weightcache.daemon")
 
-BACKEND = "cpu_shm"
 MAX_ID_CHARS = 128
 MAX_PATH_CHARS = 4096
 MAX_COMPONENTS = 10_000
@@ -125,21 +125,31 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         leases: the lease table (its clock drives all lease timing).
         options: operator's permissions.
         instance_id: random id of this daemon process.
+        backend: where arenas live (for the environment stamp and server info).
     """
 
     def __init__(
-        self, store: Store, leases: LeaseTable, options: ServiceOptions, instance_id: str
+        self,
+        store: Store,
+        leases: LeaseTable,
+        options: ServiceOptions,
+        instance_id: str,
+        backend: Backend,
     ) -> None:
         self.store = store
         self.leases = leases
         self.options = options
         self.instance_id = instance_id
+        self.backend = backend
         self.draining = False
         self.start_time = time.time()
         self._sessions: dict[int, asyncio.Queue[pb.KeepAliveResponse | None]] = {}
         self._loads: set[asyncio.Task[None]] = set()
         self._environment = pb.Environment(
-            weightcache_version=__version__, torch_version=torch.__version__, backend=BACKEND
+            weightcache_version=__version__,
+            torch_version=torch.__version__,
+            backend=backend.name,
+            device_uuid=backend.device_uuid,
         )
 
     # -- loading ---------------------------------------------------------------------
@@ -437,8 +447,9 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             version=__version__,
             protocol_version=PROTOCOL_VERSION,
             torch_version=torch.__version__,
-            backend=BACKEND,
-            device="cpu",
+            backend=self.backend.name,
+            device=self.backend.device,
+            device_uuid=self.backend.device_uuid,
             memory_held_bytes=self.store.held_bytes(),
             memory_budget_bytes=self._budget_limit(),
             instance_id=self.instance_id,

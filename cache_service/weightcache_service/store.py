@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from weightcache._checkpoint import Checkpoint
@@ -26,7 +27,7 @@ from weightcache._fingerprint import Fingerprint
 from weightcache._pipeline import CheckpointReader, materialize
 from weightcache._recipe import Pipeline, Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache_service.arena import SharedMemoryArena, Slot, plan_slots
+from weightcache_service.arena import Arena, Slot, plan_slots
 from weightcache_service.budget import MemoryBudget
 
 
@@ -43,7 +44,7 @@ class Entry:
     state: pb.ModelState = pb.MODEL_STATE_LOADING
     slots: list[Slot] = field(default_factory=list)
     size: int = 0
-    arena: SharedMemoryArena | None = None
+    arena: Arena | None = None
     bytes_done: int = 0
     tensors_done: int = 0
     error: str = ""
@@ -59,20 +60,15 @@ class Store:
     """Every model of one daemon, by name.
 
     Args:
-        segment_prefix: prefix of this instance's /dev/shm segment names.
+        make_arena: allocates an arena of a size in bytes (the backend).
         budget: admission control for new arenas; none by default.
-        segment_access: (mode, group id or None) of new segments.
     """
 
     def __init__(
-        self,
-        segment_prefix: str,
-        budget: MemoryBudget | None = None,
-        segment_access: tuple[int, int | None] = (0o600, None),
+        self, make_arena: Callable[[int], Arena], budget: MemoryBudget | None = None
     ) -> None:
-        self._prefix = segment_prefix
+        self._make_arena = make_arena
         self.budget = budget
-        self._segment_access = segment_access
         self._entries: dict[str, Entry] = {}
 
     def entries(self) -> list[Entry]:
@@ -147,8 +143,7 @@ class Store:
     def _load(self, entry: Entry) -> None:
         start = time.monotonic()
         try:
-            mode, gid = self._segment_access
-            entry.arena = SharedMemoryArena(entry.size, self._prefix, mode=mode, gid=gid)
+            entry.arena = self._make_arena(entry.size)
             with CheckpointReader(entry.checkpoint) as reader:
                 for slot in entry.slots:
                     self._load_tensor(entry, entry.arena, reader, slot)
@@ -166,9 +161,7 @@ class Store:
         entry.state = pb.MODEL_STATE_READY
 
     @staticmethod
-    def _load_tensor(
-        entry: Entry, arena: SharedMemoryArena, reader: CheckpointReader, slot: Slot
-    ) -> None:
+    def _load_tensor(entry: Entry, arena: Arena, reader: CheckpointReader, slot: Slot) -> None:
         if entry.cancelled:
             raise ModelFailedError(f"load of {entry.name!r} cancelled at shutdown")
         node = entry.pipeline.nodes[slot.name]

@@ -4,6 +4,9 @@ A ``SharedMemoryHandle`` is mapped ``MAP_PRIVATE`` (Python's ``mmap.ACCESS_COPY`
 are shared with the daemon and every other worker until this process writes one, which
 then becomes a private copy. A worker that writes to its weights never changes anyone
 else's (mmap(2), "MAP_PRIVATE: copy-on-write mapping").
+
+A ``CudaIpcHandle`` is opened with ``cudaIpcOpenMemHandle`` on the local device whose UUID
+matches (:mod:`weightcache._cuda`); the views are device tensors over that mapping.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ import math
 import mmap
 import os
 import stat
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from weightcache._cuda import local_index, open_ipc
 from weightcache._dtypes import TORCH_DTYPES
 from weightcache._errors import HandleError
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -37,17 +42,39 @@ class MappedArena:
     tensors: dict[str, torch.Tensor]
     base: torch.Tensor
     size: int
+    _tracked: weakref.WeakSet[torch.Tensor] = field(default_factory=weakref.WeakSet)
+
+    def __post_init__(self) -> None:
+        for tensor in self.tensors.values():
+            self._tracked.add(tensor)
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Also re-point ``tensor`` (a view of the arena, e.g. an ``nn.Parameter`` made
+        from one) when the arena is privatized on a device."""
+        self._tracked.add(tensor)
 
     def privatize(self) -> None:
-        """Give this process its own copy of every page, under every existing view.
+        """Give this process its own copy of the arena, under every existing view.
 
-        Writing a page of a ``MAP_PRIVATE`` mapping makes the kernel copy it into memory
-        private to this process (mmap(2)); writing each page's first byte back unchanged
-        does that for all pages without changing a value or any tensor's address. Once
-        done, the daemon's segment can be freed without this process noticing.
+        CPU: writing a page of a ``MAP_PRIVATE`` mapping makes the kernel copy it into
+        memory private to this process (mmap(2)); writing each page's first byte back
+        unchanged does that for all pages without changing a value or an address.
+
+        CUDA: one device-to-device copy of the arena, then every tracked tensor is
+        re-pointed (``Tensor.set_``) at the same offset of the copy; the IPC mapping closes
+        when the last view of it is gone.
+
+        Either way the daemon can then free its memory without this process noticing.
         """
-        pages = self.base[:: mmap.PAGESIZE]
-        pages.copy_(pages.clone())
+        if self.base.device.type == "cpu":
+            pages = self.base[:: mmap.PAGESIZE]
+            pages.copy_(pages.clone())
+            return
+        storage = self.base.clone().untyped_storage()
+        with torch.no_grad():
+            for tensor in list(self._tracked):
+                tensor.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+        self.base = torch.empty(0, dtype=torch.uint8, device=self.base.device).set_(storage)
 
 
 def open_shared_memory(
@@ -89,6 +116,29 @@ def open_shared_memory(
         # The clone owns its bytes; the mapping can go now that no tensor views it.
         del mapping
     return MappedArena(tensors=build_views(base, views), base=base, size=size)
+
+
+def open_cuda_ipc(
+    handle: pb.CudaIpcHandle, views: Sequence[pb.TensorView], *, copy: bool
+) -> MappedArena:
+    """Open a CUDA IPC arena on the local device with the handle's UUID.
+
+    Args:
+        handle: device UUID, 64-byte IPC handle, size in bytes.
+        views: tensor views of the arena.
+        copy: copy the arena device-to-device into this process's own memory; the IPC
+            mapping closes once the temporary view of it is gone.
+
+    Raises:
+        DeviceNotVisibleError: this process cannot see the device.
+        CudaError: the runtime refuses the handle.
+        HandleError: a view does not fit the arena.
+    """
+    index = local_index(handle.device_uuid)
+    base = open_ipc(handle.ipc_handle, handle.size, index)
+    if copy:
+        base = base.clone()
+    return MappedArena(tensors=build_views(base, views), base=base, size=handle.size)
 
 
 def _check_path(path: str) -> None:

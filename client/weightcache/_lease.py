@@ -50,8 +50,14 @@ log = structlog.get_logger("weightcache.lease")
 
 Policy = Literal["raise", "exit", "ignore"]
 POLICIES: tuple[Policy, ...] = ("raise", "exit", "ignore")
-#: The loss policy when none is given, for the shared-memory backend.
-SHARED_MEMORY_DEFAULT_POLICY: Policy = "ignore"
+
+
+def default_policy(device_type: str) -> Policy:
+    """The loss policy when none is given: ``"ignore"`` for shared memory (``"cpu"``),
+    ``"exit"`` for device memory."""
+    return "ignore" if device_type == "cpu" else "exit"
+
+
 RevokePolicy = Literal["copy", "raise", "exit"]
 REVOKE_POLICIES: tuple[RevokePolicy, ...] = ("copy", "raise", "exit")
 #: Exit status under the ``exit`` policy (EX_TEMPFAIL from sysexits.h).

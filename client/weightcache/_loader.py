@@ -35,15 +35,15 @@ from weightcache._errors import (
     WeightCacheError,
 )
 from weightcache._fingerprint import Fingerprint, Level, compute_fingerprint, fingerprint_pb
-from weightcache._handles import MappedArena, open_shared_memory
+from weightcache._handles import MappedArena, open_cuda_ipc, open_shared_memory
 from weightcache._lease import (
     POLICIES,
     REVOKE_POLICIES,
-    SHARED_MEMORY_DEFAULT_POLICY,
     ClientLease,
     LostCallback,
     Policy,
     RevokePolicy,
+    default_policy,
     session_for,
 )
 from weightcache._pipeline import CheckpointReader, materialize
@@ -72,6 +72,8 @@ _FALLBACK_REASONS = frozenset(
         "RESOURCE_EXHAUSTED",
         "INVALID_HANDLE",
         "UNTRUSTED_SOCKET",
+        "DEVICE_NOT_VISIBLE",
+        "CUDA_ERROR",
     }
 )
 
@@ -109,8 +111,10 @@ class LoadedWeights:
         lease: ClientLease | None = None,
         socket: str | None = None,
         model: str | None = None,
+        arena: MappedArena | None = None,
     ) -> None:
         self._tensors = tensors
+        self._arena = arena
         self.source: Source = source
         self.fingerprint = fingerprint
         self.checkpoint = checkpoint
@@ -139,6 +143,12 @@ class LoadedWeights:
     def lease_lost(self) -> LeaseLostError | None:
         """The lease's loss, if it was lost; ``None`` while live or without a lease."""
         return self.lease.lost if self.lease is not None else None
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Register another tensor object viewing these weights (an ``nn.Parameter`` made
+        from one), so that a revoke with ``on_revoke="copy"`` re-points it too."""
+        if self._arena is not None:
+            self._arena.track(tensor)
 
     def close(self) -> None:
         """End the lease, if any (idempotent). Zero-copy tensors stay readable on CPU."""
@@ -203,7 +213,8 @@ def load(
             fallback, for the daemon to come up).
         lease_policy: ``"raise"``, ``"exit"`` or ``"ignore"``; see :mod:`weightcache._lease`.
             None picks the backend's default: ``"ignore"`` for shared memory, whose
-            mapping stays valid after the daemon is gone.
+            mapping stays valid after the daemon is gone; ``"exit"`` for CUDA zero-copy,
+            whose memory may be gone.
         on_lease_lost: called with the :class:`LeaseLostError` when the lease is lost.
         on_revoke: ``"copy"``, ``"raise"`` or ``"exit"``: what to do when the daemon
             revokes the lease (forced evict, drain); see :mod:`weightcache._lease`.
@@ -224,9 +235,7 @@ def load(
     """
     if mode not in ("zero_copy", "copy"):
         raise ValueError(f"mode must be 'zero_copy' or 'copy', not {mode!r}")
-    if lease_policy is None:
-        lease_policy = SHARED_MEMORY_DEFAULT_POLICY
-    if lease_policy not in POLICIES:
+    if lease_policy is not None and lease_policy not in POLICIES:
         raise ValueError(f"lease_policy must be one of {POLICIES}, not {lease_policy!r}")
     if on_revoke not in REVOKE_POLICIES:
         raise ValueError(f"on_revoke must be one of {REVOKE_POLICIES}, not {on_revoke!r}")
@@ -307,7 +316,7 @@ class _Attach:
     ttl: float
     wait_timeout: float
     wait_for_daemon: bool
-    policy: Policy
+    policy: Policy | None
     on_lost: LostCallback | None
     on_revoke: RevokePolicy
     trusted: frozenset[int]
@@ -326,6 +335,7 @@ class _Attach:
             raise
         weights = LoadedWeights(
             arena.tensors,
+            arena=arena,
             source="cache",
             fingerprint=fp,
             checkpoint=checkpoint,
@@ -339,7 +349,7 @@ class _Attach:
             lease_id=lease_id,
             instance_id=reply.lease.instance_id,
             ttl=reply.lease.ttl.ToNanoseconds() / 1e9,
-            policy=self.policy,
+            policy=self.policy or default_policy(arena.base.device.type),
             on_lost=self.on_lost,
             last_ack=time.monotonic(),
             on_revoke=self.on_revoke,
@@ -360,11 +370,14 @@ class _Attach:
 
     def _map(self, reply: pb.AcquireResponse, owner: int) -> MappedArena:
         kind = reply.storage.WhichOneof("handle")
-        if kind != "shared_memory":
-            raise HandleError(f"the daemon offers a {kind} handle; this client maps shared memory")
-        return open_shared_memory(
-            reply.storage.shared_memory, reply.tensors, copy=self.mode == "copy", owner=owner
-        )
+        copy = self.mode == "copy"
+        if kind == "shared_memory":
+            return open_shared_memory(
+                reply.storage.shared_memory, reply.tensors, copy=copy, owner=owner
+            )
+        if kind == "cuda_ipc":
+            return open_cuda_ipc(reply.storage.cuda_ipc, reply.tensors, copy=copy)
+        raise HandleError(f"the daemon offers a handle this client does not know: {kind}")
 
 
 def _acquire_request(checkpoint: Checkpoint, fp: Fingerprint, ttl: float) -> pb.AcquireRequest:

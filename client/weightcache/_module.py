@@ -41,15 +41,19 @@ def load_into(
     """
     loaded = load(model_dir, **load_kwargs)
     try:
-        assign(module, loaded.tensors, strict=strict)
+        for value in assign(module, loaded.tensors, strict=strict):
+            loaded.track(value)
     except ValueError:
         loaded.close()
         raise
     return loaded
 
 
-def assign(module: nn.Module, tensors: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Replace ``module``'s parameters and buffers by ``tensors`` (see :func:`load_into`).
+def assign(
+    module: nn.Module, tensors: dict[str, torch.Tensor], *, strict: bool = True
+) -> list[torch.Tensor]:
+    """Replace ``module``'s parameters and buffers by ``tensors`` (see :func:`load_into`);
+    returns the parameter and buffer objects now in the module.
 
     Raises:
         ValueError: as in :func:`load_into`; the module is left unchanged.
@@ -78,14 +82,17 @@ def assign(module: nn.Module, tensors: dict[str, torch.Tensor], *, strict: bool 
             f"checkpoint does not match the module: missing {missing[:10]}, "
             f"unexpected {unexpected[:10]}"
         )
+    values = []
     for names, tensor, is_param in plan:
         value: torch.Tensor = nn.Parameter(tensor, requires_grad=False) if is_param else tensor
+        values.append(value)
         for name in names:
             owner, attr = _owner(module, name)
             if is_param:
                 owner._parameters[attr] = value  # type: ignore[assignment]
             else:
                 owner._buffers[attr] = value
+    return values
 
 
 def _alias_groups(module: nn.Module) -> list[tuple[list[str], torch.Tensor, bool]]:

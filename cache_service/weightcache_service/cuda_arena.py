@@ -1,0 +1,76 @@
+"""The CUDA (ROCm) backend: one ``cudaMalloc`` allocation per model, exported by IPC.
+
+The arena is its own allocation, not a block of torch's caching allocator, because
+``cudaIpcGetMemHandle`` exports a whole allocation from its base (CUDA Runtime API,
+"Interprocess communication"): a worker maps exactly the arena and nothing else. Tensors
+are processed by the recipe on the CPU, then copied to their slot on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from weightcache._cuda import IPC_HANDLE_BYTES, CudaError, device_tensor, device_uuid, runtime
+from weightcache._errors import ResourceExhaustedError
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.arena import Slot
+
+
+class CudaArena:
+    """A model's arena in device memory.
+
+    Args:
+        size: bytes, a multiple of 256.
+        index: the device, as this process numbers it.
+
+    Raises:
+        ResourceExhaustedError: the device has no room for ``size`` bytes.
+    """
+
+    def __init__(self, size: int, index: int) -> None:
+        self.size = size
+        self.index = index
+        self.uuid = device_uuid(index)
+        rt = runtime()
+        rt.set_device(index)
+        try:
+            self._ptr = rt.malloc(size)
+        except CudaError as exc:
+            raise ResourceExhaustedError(
+                f"cannot allocate {size} bytes on cuda:{index}: {exc}"
+            ) from None
+        self._handle = rt.ipc_get_handle(self._ptr)
+        assert len(self._handle) == IPC_HANDLE_BYTES
+        self._base = device_tensor(self._ptr, size, index)
+
+    def write(self, slot: Slot, tensor: torch.Tensor) -> None:
+        """Copy ``tensor``'s bytes (on any device) into its slot."""
+        if slot.nbytes == 0:
+            return
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+        self._base[slot.byte_offset : slot.byte_offset + slot.nbytes].copy_(raw)
+
+    def read_into(self, slot: Slot, fill: Callable[[memoryview], None]) -> None:
+        """Let ``fill`` write the slot's bytes into a pinned host buffer, then copy it up."""
+        if slot.nbytes == 0:
+            return
+        staging = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=True)
+        fill(staging.numpy().data)
+        self._base[slot.byte_offset : slot.byte_offset + slot.nbytes].copy_(staging)
+
+    def handle(self) -> pb.StorageHandle:
+        """The wire handle: device UUID, the raw 64-byte IPC handle, size."""
+        torch.cuda.synchronize(self.index)  # every copy has landed before anyone maps it
+        return pb.StorageHandle(
+            cuda_ipc=pb.CudaIpcHandle(
+                device_uuid=self.uuid, ipc_handle=self._handle, size=self.size
+            )
+        )
+
+    def close(self) -> None:
+        """Free the allocation (after every lease on it has ended)."""
+        del self._base
+        torch.cuda.synchronize(self.index)
+        runtime().free(self._ptr)
