@@ -529,7 +529,7 @@ def recipe_pb(pipeline: Pipeline) -> pb.Recipe:
 def _progress(entry: Entry) -> pb.LoadProgress:
     return pb.LoadProgress(
         bytes_done=entry.bytes_done,
-        bytes_total=entry.size,
+        bytes_total=entry.data_bytes,
         tensors_done=entry.tensors_done,
         tensors_total=len(entry.slots),
     )

@@ -46,6 +46,7 @@ class Entry:
     size: int = 0
     arena: Arena | None = None
     bytes_done: int = 0
+    data_bytes: int = 0
     tensors_done: int = 0
     error: str = ""
     failure: WeightCacheError | None = None
@@ -115,6 +116,7 @@ class Store:
         entry.slots, entry.size = plan_slots(
             (name, node.spec.dtype, node.spec.shape) for name, node in pipeline.nodes.items()
         )
+        entry.data_bytes = sum(slot.nbytes for slot in entry.slots)
         if self.budget is not None:
             self.budget.check(entry.name, entry.size, self.held_bytes())
         self._entries[entry.name] = entry
@@ -180,7 +182,8 @@ class Store:
             ModelLoadingError: the model is still loading.
             ModelFailedError: the model failed to load.
             FingerprintMismatchError: no exact match, but a held model has the same path or
-                the same component names; ``metadata["components"]`` lists what differs.
+                the same layout (shard names, sizes, headers); ``metadata["components"]``
+                lists what differs.
             ModelNotFoundError: nothing matches or resembles ``fp``.
         """
         for entry in self._entries.values():
@@ -190,7 +193,8 @@ class Store:
         best: tuple[int, Entry, list[str]] | None = None
         for entry in self._entries.values():
             mine = entry.fingerprint.components
-            if str(entry.checkpoint.root) != path and set(mine) != set(wanted):
+            same_layout = mine.get("layout") == wanted.get("layout")
+            if str(entry.checkpoint.root) != path and not same_layout:
                 continue
             differing = sorted(n for n in set(mine) | set(wanted) if mine.get(n) != wanted.get(n))
             if best is None or len(differing) < best[0]:
@@ -239,11 +243,11 @@ def _ready(entry: Entry) -> Entry:
         return entry
     if entry.state == pb.MODEL_STATE_LOADING:
         raise ModelLoadingError(
-            f"model {entry.name!r} is loading ({entry.bytes_done}/{entry.size} bytes)",
+            f"model {entry.name!r} is loading ({entry.bytes_done}/{entry.data_bytes} bytes)",
             metadata={
                 "model": entry.name,
                 "bytes_done": str(entry.bytes_done),
-                "bytes_total": str(entry.size),
+                "bytes_total": str(entry.data_bytes),
             },
         )
     raise ModelFailedError(

@@ -2,8 +2,10 @@
 
 ``digest = sha256(canonical JSON of {component name: component digest})`` where each
 component digest is the sha256 of that component's canonical JSON (sorted keys, no
-whitespace). Components: ``format``, one ``checkpoint/<shard>`` per shard file, ``recipe``
-and ``placement``. Keeping them apart lets a mismatch say which one differs.
+whitespace). Components: ``format``, ``layout`` (every shard's name, size and header
+digest: what tells the daemon that a request is *about* a model it holds), one
+``checkpoint/<shard>`` per shard file, ``recipe`` and ``placement``. Keeping them apart
+lets a mismatch say which one differs.
 
 Content levels (the checkpoint part):
 
@@ -76,6 +78,10 @@ def compute_fingerprint(
         "recipe": recipe.identity,
         "placement": placement.identity(),
     }
+    parts["layout"] = [
+        {"name": shard.name, "size": shard.size, "header_sha256": shard.header_sha256}
+        for shard in checkpoint.shards
+    ]
     for shard in checkpoint.shards:
         parts[f"checkpoint/{shard.name}"] = _shard_identity(shard, level)
     components = {name: _digest(value) for name, value in sorted(parts.items())}
