@@ -42,16 +42,18 @@ class MappedArena:
     tensors: dict[str, torch.Tensor]
     base: torch.Tensor
     size: int
-    _tracked: weakref.WeakSet[torch.Tensor] = field(default_factory=weakref.WeakSet)
+    # id -> weak reference, not a WeakSet: a WeakSet compares two references to one tensor
+    # with Tensor.__eq__ (elementwise), so tracking a tensor twice raised RuntimeError.
+    _tracked: dict[int, weakref.ref[torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for tensor in self.tensors.values():
-            self._tracked.add(tensor)
+            self.track(tensor)
 
     def track(self, tensor: torch.Tensor) -> None:
         """Also re-point ``tensor`` (a view of the arena, e.g. an ``nn.Parameter`` made
         from one) when the arena is privatized on a device."""
-        self._tracked.add(tensor)
+        self._tracked[id(tensor)] = weakref.ref(tensor)
 
     def privatize(self) -> None:
         """Give this process its own copy of the arena, under every existing view.
@@ -72,7 +74,9 @@ class MappedArena:
             return
         storage = self.base.clone().untyped_storage()
         with torch.no_grad():
-            for tensor in list(self._tracked):
+            for tensor in [ref() for ref in list(self._tracked.values())]:
+                if tensor is None:
+                    continue
                 tensor.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
         self.base = torch.empty(0, dtype=torch.uint8, device=self.base.device).set_(storage)
 
