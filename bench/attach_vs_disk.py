@@ -1,0 +1,312 @@
+"""Time to weights-ready: zero-copy attach vs copy vs disk, on a generated checkpoint.
+
+Run with ``make bench`` or ``.venv/bin/python bench/attach_vs_disk.py [options]``.
+
+1. generate a sharded safetensors checkpoint (``--size-gib``, ``--tensors``, ``--shards``)
+   of BF16/F16/F32 tensors of varied shapes in a temporary folder under /tmp;
+2. start ``weightcache preload`` on it and wait until it is healthy;
+3. run ``attach_worker.py`` ``--repeat`` times per mode, modes interleaved, each run a fresh
+   process, timing: ``load()`` zero-copy, ``load(mode="copy")``, ``load_from_disk()``, and
+   the fingerprint alone;
+4. print median and min per mode and the ratio to the disk load of the same run;
+5. stop the daemon, check /dev/shm and the socket are clean, remove the folder.
+
+The machine is shared and noisy: the ratios, measured side by side, are the figures that
+matter. See bench/README.md for recorded results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
+from daemon_proc import DaemonError, DaemonProcess
+
+WORKER = Path(__file__).with_name("attach_worker.py")
+MODES = ("attach", "copy", "disk", "fingerprint")
+TIMED = {
+    "attach": "weightcache.load(dir, socket=S) [zero_copy] + first byte of every tensor",
+    "copy": 'weightcache.load(dir, socket=S, mode="copy") + first byte of every tensor',
+    "disk": "weightcache.load_from_disk(dir) + first byte of every tensor",
+    "fingerprint": 'open_checkpoint(dir) + compute_fingerprint(.., "sampled") (part of each)',
+}
+#: safetensors dtype name -> (torch dtype, share of the tensors).
+DTYPES = {"BF16": (torch.bfloat16, 0.5), "F16": (torch.float16, 0.25), "F32": (torch.float32, 0.25)}
+COLUMNS = (256, 512, 1024, 2048, 4096)
+PARTS = ("attn.qkv.weight", "mlp.up.weight", "mlp.down.weight", "norm.weight")
+#: Seconds one worker run may take.
+WORKER_TIMEOUT = 600.0
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+class BenchError(RuntimeError):
+    """A step of the benchmark failed; the message says which and why."""
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name."""
+    return DTYPES[dtype][0].itemsize
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One tensor to generate: name, safetensors dtype, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of its data in bytes."""
+        return itemsize(self.dtype) * int(torch.Size(self.shape).numel())
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A tensor before its row count is known; ``weight`` is None for a vector."""
+
+    name: str
+    dtype: str
+    cols: int
+    weight: float | None
+
+
+def plan_tensors(count: int, total_bytes: int, seed: int) -> list[Spec]:
+    """``count`` tensors of about ``total_bytes`` bytes together.
+
+    Every fourth is a vector (a norm); the others are matrices of 256 to 4096 columns whose
+    row counts share out the remaining bytes at random (a weight in [0.25, 1.75] each).
+    """
+    rng = random.Random(seed)
+    drafts = [_draft(i, rng) for i in range(count)]
+    vector_bytes = sum(d.cols * itemsize(d.dtype) for d in drafts if d.weight is None)
+    weight_sum = sum(d.weight for d in drafts if d.weight is not None) or 1.0
+    bytes_per_weight = max(0, total_bytes - vector_bytes) / weight_sum
+    return [_spec(d, bytes_per_weight) for d in drafts]
+
+
+def _draft(index: int, rng: random.Random) -> _Draft:
+    part = PARTS[index % len(PARTS)]
+    dtype = rng.choices(list(DTYPES), [share for _, share in DTYPES.values()])[0]
+    weight = None if part == "norm.weight" else rng.uniform(0.25, 1.75)
+    return _Draft(f"layers.{index // len(PARTS)}.{part}", dtype, rng.choice(COLUMNS), weight)
+
+
+def _spec(draft: _Draft, bytes_per_weight: float) -> Spec:
+    if draft.weight is None:
+        return Spec(draft.name, draft.dtype, (draft.cols,))
+    rows = round(bytes_per_weight * draft.weight / (draft.cols * itemsize(draft.dtype)))
+    return Spec(draft.name, draft.dtype, (max(1, rows), draft.cols))
+
+
+def write_checkpoint(folder: Path, specs: list[Spec], shards: int, seed: int) -> None:
+    """Write ``specs`` as ``shards`` safetensors files of similar size plus the HF index.
+
+    Tensors hold ``torch.randn`` values; one shard is in memory at a time.
+    """
+    total = sum(s.nbytes for s in specs)
+    groups: list[list[Spec]] = [[] for _ in range(shards)]
+    done = 0
+    for spec in specs:
+        groups[min(shards - 1, done * shards // max(total, 1))].append(spec)
+        done += spec.nbytes
+    generator = torch.Generator().manual_seed(seed)
+    weight_map = {}
+    for number, group in enumerate(groups, start=1):
+        name = f"model-{number:05d}-of-{shards:05d}.safetensors"
+        tensors = {
+            s.name: torch.randn(s.shape, dtype=DTYPES[s.dtype][0], generator=generator)
+            for s in group
+        }
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+def drop_caches() -> None:
+    """Write back dirty pages and drop the page cache (needs root and a writable /proc/sys).
+
+    Raises:
+        BenchError: not permitted here.
+    """
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as proc:
+            proc.write("3\n")
+    except OSError as exc:
+        raise BenchError(f"--drop-caches: cannot write {DROP_CACHES}: {exc.strerror}") from None
+
+
+def run_worker(mode: str, model: Path, socket: str, out: Path) -> dict[str, Any]:
+    """One timed load in a fresh process; returns its JSON result (``seconds`` etc.).
+
+    Raises:
+        BenchError: the worker failed or ran over :data:`WORKER_TIMEOUT` seconds.
+    """
+    command = [sys.executable, str(WORKER), mode, str(model), "--socket", socket]
+    command += ["--out", str(out)]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=WORKER_TIMEOUT, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{mode} worker ran over {WORKER_TIMEOUT:.0f} s") from None
+    if done.returncode != 0:
+        raise BenchError(f"{mode} worker exited {done.returncode}:\n{done.stdout}{done.stderr}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def measure(
+    model: Path, socket: str, tmp: Path, *, repeat: int, cold: bool, expected: int
+) -> dict[str, list[float]]:
+    """Run every mode ``repeat`` times, interleaved; returns seconds per mode.
+
+    Raises:
+        BenchError: a worker failed, loaded from the wrong source or saw the wrong number
+            of tensors.
+    """
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(repeat):
+        for mode in MODES:
+            if cold:
+                drop_caches()
+            result = run_worker(mode, model, socket, tmp / "result.json")
+            want_source = {"attach": "cache", "copy": "cache", "disk": "disk"}.get(mode, "-")
+            if result["source"] != want_source or result["tensors"] != expected:
+                raise BenchError(
+                    f"{mode}: expected {expected} tensors from {want_source}: {result}"
+                )
+            seconds[mode].append(result["seconds"])
+    return seconds
+
+
+def fmt_seconds(value: float) -> str:
+    """``value`` seconds as milliseconds below 1 s, else seconds."""
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def print_results(seconds: dict[str, list[float]]) -> None:
+    """Median and min per mode, and the disk median over each median."""
+    disk = statistics.median(seconds["disk"])
+    print(f"  {'mode':<12}{'median':>10}{'min':>10}{'disk / this (medians)':>25}")
+    for mode in MODES:
+        median = statistics.median(seconds[mode])
+        print(
+            f"  {mode:<12}{fmt_seconds(median):>10}{fmt_seconds(min(seconds[mode])):>10}"
+            f"{disk / median:>24.1f}x"
+        )
+    print()
+    print("  timed, in each worker after its imports (interpreter start, imports and")
+    print("  close() of the lease are not):")
+    for mode in MODES:
+        print(f"    {mode:<12}{TIMED[mode]}")
+
+
+def print_setup(specs: list[Spec], shards: int, folder: Path, args: argparse.Namespace) -> None:
+    """Machine, checkpoint and method, before the measurements."""
+    total = sum(s.nbytes for s in specs)
+    dtypes = ", ".join(f"{d} {n}" for d, n in sorted(Counter(s.dtype for s in specs).items()))
+    print("weightcache benchmark: time to weights-ready, attach vs copy vs disk")
+    print(
+        f"  machine: {os.cpu_count()} CPUs, Linux {platform.release()}, "
+        f"python {platform.python_version()}, torch {torch.__version__}"
+    )
+    print(f"  checkpoint: {total / 2**30:.2f} GiB, {len(specs)} tensors ({dtypes}),")
+    print(f"              {shards} shards + model.safetensors.index.json, in {folder}")
+    if args.drop_caches:
+        print("  page cache: COLD, dropped (echo 3 > /proc/sys/vm/drop_caches) before every run")
+    else:
+        print("  page cache: WARM, the files were just written and the daemon read them")
+        print("              (--drop-caches, as root, drops it before every run for cold disk)")
+    print(f"  runs: {args.repeat} per mode, modes interleaved, each in a fresh process")
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-gib", type=float, default=2.0, help="checkpoint size, GiB")
+    parser.add_argument("--tensors", type=int, default=300, help="number of tensors")
+    parser.add_argument("--shards", type=int, default=4, help="number of shard files")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per mode")
+    parser.add_argument("--seed", type=int, default=0, help="seed of shapes and values")
+    parser.add_argument("--drop-caches", action="store_true", help="cold disk (root only)")
+    args = parser.parse_args()
+    if min(args.tensors, args.shards, args.repeat) < 1 or args.size_gib <= 0:
+        parser.error("--size-gib, --tensors, --shards and --repeat must be positive")
+    if args.shards > args.tensors:
+        parser.error("--shards must not exceed --tensors")
+    return args
+
+
+def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> None:
+    """Steps 1-4 of the module docstring."""
+    if args.drop_caches:
+        drop_caches()  # fail before spending minutes generating
+    folder = tmp / "checkpoint"
+    folder.mkdir()
+    specs = plan_tensors(args.tensors, int(args.size_gib * 2**30), args.seed)
+    print_setup(specs, args.shards, folder, args)
+    begin = time.monotonic()
+    write_checkpoint(folder, specs, args.shards, args.seed)
+    print(f"  generated in {time.monotonic() - begin:.1f} s", end="; ", flush=True)
+    daemon.models = [str(folder)]
+    print(f"daemon preloaded it and was healthy after {daemon.start(timeout=900):.1f} s")
+    print()
+    seconds = measure(
+        folder,
+        daemon.socket,
+        tmp,
+        repeat=args.repeat,
+        cold=args.drop_caches,
+        expected=len(specs),
+    )
+    print_results(seconds)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)
+
+
+def main() -> int:
+    """Run the benchmark; returns the exit status."""
+    args = parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    tmp = Path(tempfile.mkdtemp(prefix="wcbench-", dir="/tmp"))
+    daemon = DaemonProcess([], str(tmp / "cpu.sock"), tmp / "daemon.log")
+    ok = clean = False
+    try:
+        run_bench(args, tmp, daemon)
+        ok = True
+    except (BenchError, DaemonError) as err:
+        print(f"FAILED: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+    finally:
+        clean = daemon.stop_and_check(show_log=not ok)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0 if ok and clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
