@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import structlog
 import torch
 from torch import nn
 
 from weightcache._loader import LoadedWeights, load
+
+log = structlog.get_logger("weightcache")
 
 
 def load_into(
@@ -31,7 +34,8 @@ def load_into(
         module: the model; it may live on the ``meta`` device.
         model_dir: checkpoint folder.
         strict: raise when a parameter has no tensor or a tensor matches no parameter or
-            buffer. Buffers the checkpoint lacks keep their values either way.
+            buffer. Buffers the checkpoint lacks keep their values either way; any left
+            on the ``meta`` device is named in a warning log.
         **load_kwargs: passed to :func:`load` (``socket``, ``dtype``, ``mode``, ...).
 
     Raises:
@@ -46,7 +50,16 @@ def load_into(
     except ValueError:
         loaded.close()
         raise
+    _warn_meta(module)
     return loaded
+
+
+def _warn_meta(module: nn.Module) -> None:
+    # A module built on the meta device keeps meta tensors the checkpoint lacks (often
+    # computed buffers such as BERT's token_type_ids); using them fails much later.
+    left = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if left:
+        log.warning("left on the meta device: not in the checkpoint", names=left[:10])
 
 
 def assign(
