@@ -19,32 +19,25 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from weightcache._cuda import device_uuid
 from weightcache._errors import RecipeError, WeightCacheError
-from weightcache._fingerprint import LEVELS, Level
-from weightcache._plugins import PluginStep
-from weightcache._recipe import Placement, Recipe, parse_dtype
 from weightcache._rpc import call, connect, default_socket, target
-from weightcache._tp import TPPlan
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache_service.access import Access, AccessError
-from weightcache_service.backend import DeviceError, resolve_device
-from weightcache_service.budget import MemoryBudget, parse_size
-from weightcache_service.server import (
-    SERVICE_NAME,
-    DaemonConfig,
-    PreloadSpec,
-    TcpListener,
-    model_roots,
-    run_daemon,
-)
-from weightcache_service.service import ServiceOptions
-from weightcache_service.socket_lock import SocketInUseError
+
+# The daemon's modules (and torch) are imported inside `preload` only, so that `health`,
+# `ls`, `info` and `evict` start in a fraction of a second: `health` is an exec probe.
+if TYPE_CHECKING:
+    from weightcache_service.server import TcpListener
+
+#: Health service name of the weight cache (grpc.health.v1).
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
+#: The levels of weightcache._fingerprint.LEVELS (tested equal), named here without torch.
+FINGERPRINT_LEVELS = ("layout", "sampled", "full")
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -105,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="plugin a remote Preload may use; repeatable",
     )
-    daemon.add_argument("--fingerprint-level", choices=LEVELS, default="sampled")
+    daemon.add_argument("--fingerprint-level", choices=FINGERPRINT_LEVELS, default="sampled")
     daemon.add_argument("--allow-remote-preload", action="store_true", help="accept Preload RPCs")
     daemon.add_argument(
         "--model-root", action="append", default=[], help="folder remote Preload may read"
@@ -170,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _daemon_socket(args: argparse.Namespace) -> str:
     """``--socket``, else the default path for the device: its UUID names a GPU's."""
+    from weightcache._cuda import device_uuid
+    from weightcache_service.backend import resolve_device
+
     if args.socket:
         return str(args.socket)
     if args.device == "cpu":
@@ -178,8 +174,18 @@ def _daemon_socket(args: argparse.Namespace) -> str:
 
 
 def _preload(args: argparse.Namespace) -> int:
+    from weightcache._plugins import PluginStep
+    from weightcache._recipe import Placement, Recipe, parse_dtype
+    from weightcache._tp import TPPlan
+    from weightcache_service.access import Access, AccessError
+    from weightcache_service.backend import DeviceError
+    from weightcache_service.budget import MemoryBudget, parse_size
+    from weightcache_service.server import DaemonConfig, PreloadSpec, model_roots, run_daemon
+    from weightcache_service.service import ServiceOptions
+    from weightcache_service.socket_lock import SocketInUseError
+
     configure_logging(args.log_format)
-    level: Level = args.fingerprint_level
+    level = args.fingerprint_level
     try:
         max_bytes, percent = parse_size(args.max_memory) if args.max_memory else (None, None)
         headroom, headroom_percent = parse_size(args.headroom)
@@ -221,6 +227,8 @@ def _preload(args: argparse.Namespace) -> int:
 
 
 def _tcp(args: argparse.Namespace) -> TcpListener | None:
+    from weightcache_service.server import TcpListener
+
     if args.listen is None:
         return None
     return TcpListener(
