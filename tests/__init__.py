@@ -1,0 +1,1 @@
+"""weightcache test suite."""

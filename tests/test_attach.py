@@ -1,0 +1,146 @@
+"""Attaching from a worker process gives bitwise the tensors a disk load gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import weightcache
+from tests.support import (
+    Checkpoints,
+    Daemon,
+    DaemonPool,
+    WorkerPool,
+    assert_attached,
+    assert_bitwise_equal,
+    flipped,
+    get_model,
+)
+
+Layout = Literal["single", "sharded"]
+EXPECTED_DTYPES = {
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.bool,
+    torch.int64,
+}
+
+
+@pytest.fixture(scope="module")
+def daemon(module_daemons: DaemonPool, checkpoints: Checkpoints) -> Daemon:
+    """Holds ``single`` and ``sharded`` as stored."""
+    return module_daemons.start([checkpoints.single, checkpoints.sharded])
+
+
+@pytest.fixture(scope="module")
+def f16_daemon(module_daemons: DaemonPool, checkpoints: Checkpoints) -> Daemon:
+    """Holds ``single`` and ``sharded`` with floating tensors cast to F16."""
+    return module_daemons.start([checkpoints.single, checkpoints.sharded], dtype="F16")
+
+
+def _folder(checkpoints: Checkpoints, layout: Layout) -> Path:
+    return checkpoints.single if layout == "single" else checkpoints.sharded
+
+
+def test_checkpoints_cover_the_required_tensor_kinds(checkpoints: Checkpoints) -> None:
+    disk = weightcache.load_from_disk(checkpoints.sharded).tensors
+    assert {t.dtype for t in disk.values()} == EXPECTED_DTYPES
+    assert {tuple(t.shape) for t in disk.values()} >= {(0, 4), ()}
+    assert_bitwise_equal(disk, checkpoints.tensors)
+    assert_bitwise_equal(weightcache.load_from_disk(checkpoints.single).tensors, disk)
+
+
+CASES = [(layout, mode) for mode in ("zero_copy", "copy") for layout in ("single", "sharded")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_attach_is_bitwise_the_disk_load(
+    daemon: Daemon,
+    workers: WorkerPool,
+    checkpoints: Checkpoints,
+    tmp_path: Path,
+    case: tuple[Layout, str],
+) -> None:
+    layout, mode = case
+    folder = _folder(checkpoints, layout)
+    worker = workers.start()
+
+    reply = worker.load(folder, socket=daemon.socket, mode=mode, ttl=1.5, dump=tmp_path / "w")
+
+    assert_attached(reply)
+    assert reply["model"] == layout
+    disk = weightcache.load_from_disk(folder)
+    assert reply["names"] == list(disk.tensors)
+    assert_bitwise_equal(load_file(tmp_path / "w"), disk.tensors)
+    if mode == "zero_copy":
+        assert reply["lease"] == {"ttl": 1.5, "validity": 1.0}
+        assert reply["in_shared_memory"] is True
+    else:
+        assert reply["lease"] is None
+        assert reply["in_shared_memory"] is False
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_attach_with_dtype_recipe_is_bitwise_the_disk_load(
+    f16_daemon: Daemon,
+    workers: WorkerPool,
+    checkpoints: Checkpoints,
+    tmp_path: Path,
+    layout: Layout,
+) -> None:
+    folder = _folder(checkpoints, layout)
+    worker = workers.start()
+
+    reply = worker.load(folder, socket=f16_daemon.socket, dtype="F16", dump=tmp_path / "w")
+
+    assert_attached(reply)
+    assert reply["model"].startswith(layout)
+    disk = weightcache.load_from_disk(folder, dtype="F16").tensors
+    assert_bitwise_equal(load_file(tmp_path / "w"), disk)
+    cast = {n for n, t in checkpoints.tensors.items() if t.dtype.is_floating_point}
+    for name, tensor in disk.items():
+        stored = checkpoints.tensors[name].dtype
+        if stored == torch.float8_e4m3fn:
+            assert tensor.dtype == stored, name  # fp8 is never cast
+        elif name in cast:
+            assert tensor.dtype == torch.float16, name
+        else:
+            assert tensor.dtype == stored, name
+    assert get_model(f16_daemon.socket, reply["model"]).recipe.dtype == "F16"
+
+
+def test_two_workers_share_bytes_and_writes_stay_private(
+    daemon: Daemon, workers: WorkerPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    folder = checkpoints.sharded
+    disk = weightcache.load_from_disk(folder).tensors
+    first, second, later = workers.start(), workers.start(), workers.start()
+
+    # Both attach and hold their leases at the same time.
+    for worker, name in ((first, "a0"), (second, "b0")):
+        reply = worker.load(folder, socket=daemon.socket, ttl=1.5, dump=tmp_path / name)
+        assert_attached(reply)
+        assert reply["in_shared_memory"] is True
+    assert get_model(daemon.socket, "sharded").lease_count == 2
+    assert_bitwise_equal(load_file(tmp_path / "a0"), disk)
+    assert_bitwise_equal(load_file(tmp_path / "b0"), load_file(tmp_path / "a0"))
+
+    # The first writes to every tensor; the write is real in its own process...
+    assert first.request("invert", key="w")["ok"]
+    assert first.request("dump", key="w", path=str(tmp_path / "a1"))["ok"]
+    assert_bitwise_equal(load_file(tmp_path / "a1"), {n: flipped(t) for n, t in disk.items()})
+
+    # ...but the second, mapped before the write, still reads the original bytes...
+    assert second.request("dump", key="w", path=str(tmp_path / "b1"))["ok"]
+    assert_bitwise_equal(load_file(tmp_path / "b1"), disk)
+
+    # ...and so does the daemon's next attach.
+    reply = later.load(folder, socket=daemon.socket, dump=tmp_path / "c0")
+    assert_attached(reply)
+    assert_bitwise_equal(load_file(tmp_path / "c0"), disk)

@@ -1,0 +1,86 @@
+"""The ``weightcache`` command against a real daemon."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import (
+    Checkpoints,
+    Daemon,
+    DaemonPool,
+    WorkerPool,
+    assert_attached,
+    child_env,
+    get_model,
+    health,
+    run_cli,
+)
+
+
+@pytest.fixture(scope="module")
+def daemon(module_daemons: DaemonPool, checkpoints: Checkpoints) -> Daemon:
+    return module_daemons.start([checkpoints.single])
+
+
+def _ls_rows(socket: str) -> list[dict[str, str]]:
+    result = run_cli("ls", "--socket", socket)
+    assert (result.returncode, result.stderr) == (0, "")
+    header, *rows = (line.split() for line in result.stdout.splitlines())
+    assert header == ["NAME", "STATE", "BYTES", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT"]
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def test_health_serving(daemon: Daemon) -> None:
+    result = run_cli("health", "--socket", daemon.socket)
+
+    assert (result.returncode, result.stdout) == (0, "SERVING\n")
+
+
+def test_health_without_daemon_fails(module_daemons: DaemonPool) -> None:
+    result = run_cli("health", "--socket", module_daemons.socket("absent"), "--timeout", "2")
+
+    assert (result.returncode, result.stdout) == (1, "")
+    assert "not serving: UNAVAILABLE" in result.stderr
+
+
+def test_ls_lists_model_state_and_leases(
+    daemon: Daemon, workers: WorkerPool, checkpoints: Checkpoints
+) -> None:
+    model = get_model(daemon.socket, "single")
+    worker = workers.start()
+    reply = worker.load(checkpoints.single, socket=daemon.socket, ttl=1.5)
+    assert_attached(reply)
+
+    [row] = _ls_rows(daemon.socket)
+
+    assert row == {
+        "NAME": "single",
+        "STATE": "READY",
+        "BYTES": str(model.size_bytes),
+        "TENSORS": "9",
+        "LEASES": "1",
+        "DTYPE": "-",
+        "FINGERPRINT": model.fingerprint.digest[:16],
+    }
+    assert worker.request("close", key="w")["ok"]
+    [row] = _ls_rows(daemon.socket)
+    assert row["LEASES"] == "0"
+
+
+def test_second_daemon_on_a_socket_names_the_first(daemon: Daemon) -> None:
+    second = subprocess.run(
+        [sys.executable, "-m", "weightcache_service.cli", "preload", "--socket", daemon.socket],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        check=False,
+    )
+
+    assert second.returncode != 0
+    assert f"pid {daemon.pid}" in second.stderr
+    assert daemon.proc.poll() is None
+    assert health(daemon.socket) == "SERVING"

@@ -1,0 +1,131 @@
+"""Leases across real processes: a worker that dies, a daemon that dies."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+import weightcache
+from tests.support import (
+    Checkpoints,
+    DaemonPool,
+    WorkerPool,
+    assert_attached,
+    get_model,
+    rpc_failure,
+    run_cli,
+    service_stub,
+    wait_until,
+)
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+#: Seconds of scheduling slack allowed on top of a lease's validity window.
+SLACK = 0.5
+#: A TTL long enough that an expiry cannot explain a lease ending during a test.
+LONG_TTL = 30.0
+SHORT_TTL = 1.5
+
+
+def test_killed_worker_ends_its_lease_and_evict_succeeds(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single])
+    worker = workers.start()
+    reply = worker.load(checkpoints.single, socket=daemon.socket, ttl=LONG_TTL)
+    assert_attached(reply)
+    assert reply["lease"]["ttl"] == LONG_TTL
+    assert worker.request("wait_ack", key="w", seconds=LONG_TTL / 3 + 5)["ok"]
+    assert get_model(daemon.socket, "single").lease_count == 1
+
+    # While the lease lives, Evict without force is refused, on the wire and by the CLI.
+    with service_stub(daemon.socket) as stub, pytest.raises(grpc.RpcError) as raised:
+        stub.Evict(pb.EvictRequest(name="single"), timeout=10)
+    failure = rpc_failure(raised.value)
+    assert (failure.code, failure.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "LEASES_ACTIVE")
+    assert (failure.domain, failure.metadata["leases"]) == ("weightcache.v1", "1")
+    refused = run_cli("evict", "single", "--socket", daemon.socket)
+    assert refused.returncode == 1
+    assert "LEASES_ACTIVE" in refused.stderr
+
+    assert worker.kill() == -signal.SIGKILL
+    # The KeepAlive stream closed with the process: the lease ends long before its TTL.
+    waited = wait_until(lambda: get_model(daemon.socket, "single").lease_count == 0, 10.0)
+    assert waited < LONG_TTL / 2
+    evicted = run_cli("evict", "single", "--socket", daemon.socket)
+    assert (evicted.returncode, evicted.stdout) == (0, "evicted single\n")
+    with service_stub(daemon.socket) as stub:
+        assert list(stub.ListModels(pb.ListModelsRequest(), timeout=10).models) == []
+    assert daemon.segments() == []
+
+
+def test_daemon_killed_raise_policy_worker_sees_loss_within_validity(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single])
+    worker = workers.start()
+    reply = worker.load(
+        checkpoints.single,
+        socket=daemon.socket,
+        ttl=SHORT_TTL,
+        lease_policy="raise",
+        lost_callback=True,
+    )
+    assert_attached(reply)
+    validity = reply["lease"]["validity"]
+    assert validity == pytest.approx(SHORT_TTL * 2 / 3)
+    assert worker.request("wait_ack", key="w", seconds=5)["ok"]
+    [segment] = daemon.segments()
+
+    killed_at = daemon.kill()
+
+    event = worker.event("lease_lost", timeout=validity + 5)
+    assert event["error"]["type"] == weightcache.LeaseLostError.__name__
+    assert event["error"]["reason"] == "LEASE_LOST"
+    assert 0 <= event["t"] - killed_at <= validity + SLACK
+    lost = worker.request("wait_lost", key="w", seconds=5)
+    assert lost["fired"] is True
+    assert lost["callback_t"] == event["t"]
+    assert lost["callback_t"] - lost["last_ack"] <= validity + SLACK
+    error = lost["tensors_error"]
+    assert error["type"] == weightcache.LeaseLostError.__name__
+    assert error["reason"] == "LEASE_LOST"
+    assert error["is_lease_lost"] and error["is_callback_error"]
+
+    # The dead daemon's socket file is still there, but nobody answers on it.
+    again = worker.load(checkpoints.single, key="again", socket=daemon.socket)
+    assert again["source"] == "disk"
+    assert again["fallback_reason"]["code"] == "DAEMON_UNAVAILABLE"
+
+    # Its segment outlived it; the next daemon on the socket removes it.
+    assert daemon.segments() == [segment]
+    assert daemons.clean_after_crash(daemon.socket) == [segment]
+
+
+def test_daemon_killed_exit_policy_worker_exits_75(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.sharded])
+    worker = workers.start()
+    reply = worker.load(
+        checkpoints.sharded,
+        socket=daemon.socket,
+        ttl=SHORT_TTL,
+        lease_policy="exit",
+        lost_callback=True,
+    )
+    assert_attached(reply)
+    validity = reply["lease"]["validity"]
+    assert worker.request("wait_ack", key="w", seconds=5)["ok"]
+    segments = daemon.segments()
+    assert len(segments) == 1
+
+    killed_at = daemon.kill()
+
+    event = worker.event("lease_lost", timeout=validity + 5)
+    assert 0 <= event["t"] - killed_at <= validity + SLACK
+    assert worker.proc.wait(timeout=validity + 5) == weightcache.EXIT_LEASE_LOST == 75
+    assert time.monotonic() - killed_at <= validity + 5
+    assert daemons.clean_after_crash(daemon.socket) == segments

@@ -1,0 +1,196 @@
+"""Remote Preload: off by default, confined to --model-root, and safe on malformed files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from safetensors.torch import load_file
+
+import weightcache
+from tests.support import (
+    MALFORMED,
+    Checkpoints,
+    Daemon,
+    DaemonPool,
+    RpcFailure,
+    WorkerPool,
+    assert_attached,
+    assert_bitwise_equal,
+    health,
+    rpc_failure,
+    service_stub,
+    write_malformed,
+)
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Roots:
+    """Folders for remote Preload.
+
+    Attributes:
+        root: the daemon's ``--model-root``.
+        inside: a copy of ``single`` inside the root, not preloaded at start.
+        good: a copy of ``other-sharded`` inside the root, preloaded at start.
+        outside: a copy of ``single`` outside the root.
+        link: a symlink inside the root to ``outside``.
+    """
+
+    root: Path
+    inside: Path
+    good: Path
+    outside: Path
+    link: Path
+
+
+@pytest.fixture(scope="module")
+def roots(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Roots:
+    base = tmp_path_factory.mktemp("roots")
+    root = base / "root"
+    root.mkdir()
+    outside = base / "outside" / "elsewhere"
+    shutil.copytree(checkpoints.single, outside)
+    shutil.copytree(checkpoints.single, root / "inside")
+    shutil.copytree(checkpoints.other_sharded, root / "good")
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    for case in MALFORMED:
+        write_malformed(root / case, case)
+    return Roots(root, root / "inside", root / "good", outside, root / "link")
+
+
+@pytest.fixture(scope="module")
+def locked_daemon(module_daemons: DaemonPool) -> Daemon:
+    """Started without --allow-remote-preload."""
+    return module_daemons.start()
+
+
+@pytest.fixture(scope="module")
+def open_daemon(module_daemons: DaemonPool, roots: Roots) -> Daemon:
+    """Accepts remote Preload under ``roots.root``; holds ``good`` from the start."""
+    return module_daemons.start(
+        [roots.good], args=["--allow-remote-preload", "--model-root", str(roots.root)]
+    )
+
+
+def preload(socket: str, path: str | os.PathLike[str]) -> list[pb.PreloadResponse]:
+    """Run a Preload stream to its end."""
+    with service_stub(socket) as stub:
+        return list(stub.Preload(pb.PreloadRequest(path=str(path)), timeout=60))
+
+
+def refused_preload(socket: str, path: str | os.PathLike[str]) -> RpcFailure:
+    """Run a Preload stream that must fail; its status and ErrorInfo."""
+    with pytest.raises(grpc.RpcError) as raised:
+        preload(socket, path)
+    failure = rpc_failure(raised.value)
+    assert failure.domain == "weightcache.v1"
+    return failure
+
+
+def models(socket: str) -> list[pb.Model]:
+    with service_stub(socket) as stub:
+        return list(stub.ListModels(pb.ListModelsRequest(), timeout=10).models)
+
+
+def model_paths(socket: str) -> list[str]:
+    return [m.path for m in models(socket)]
+
+
+def test_remote_preload_is_refused_by_default(
+    locked_daemon: Daemon, checkpoints: Checkpoints
+) -> None:
+    failure = refused_preload(locked_daemon.socket, checkpoints.single)
+
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "PERMISSION_DENIED",
+    )
+    assert "--allow-remote-preload" in failure.message
+    assert models(locked_daemon.socket) == []
+
+
+@pytest.mark.parametrize(
+    "which", ["outside", "dotdot", "symlink"], ids=["outside", "dotdot", "symlink-inside-root"]
+)
+def test_remote_preload_outside_model_root_is_refused(
+    open_daemon: Daemon, roots: Roots, which: str
+) -> None:
+    path = {
+        "outside": roots.outside,
+        "dotdot": roots.root / ".." / "outside" / "elsewhere",
+        "symlink": roots.link,
+    }[which]
+
+    failure = refused_preload(open_daemon.socket, path)
+
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "PERMISSION_DENIED",
+    )
+    assert failure.metadata["path"] == str(roots.outside.resolve())
+    assert str(roots.outside.resolve()) not in model_paths(open_daemon.socket)
+
+
+def test_remote_preload_inside_model_root_loads_and_attaches_bitwise(
+    open_daemon: Daemon, workers: WorkerPool, roots: Roots, tmp_path: Path
+) -> None:
+    responses = preload(open_daemon.socket, roots.inside)
+
+    last = responses[-1]
+    assert (last.model, last.state) == ("inside", pb.MODEL_STATE_READY)
+    assert all(r.state == pb.MODEL_STATE_LOADING for r in responses[:-1])
+    assert last.progress.tensors_done == last.progress.tensors_total == 9
+    nbytes = weightcache.open_checkpoint(roots.inside).nbytes
+    assert last.progress.bytes_done == last.progress.bytes_total == nbytes
+    with service_stub(open_daemon.socket) as stub:
+        model = stub.GetModel(pb.GetModelRequest(name="inside"), timeout=10).model
+    assert (model.state, model.path) == (pb.MODEL_STATE_READY, str(roots.inside.resolve()))
+    assert model.size_bytes >= nbytes  # the arena, alignment padding included
+    assert dict(model.metadata) == weightcache.open_checkpoint(roots.inside).metadata
+
+    reply = workers.start().load(roots.inside, socket=open_daemon.socket, dump=tmp_path / "w")
+    assert_attached(reply)
+    assert reply["model"] == "inside"
+    assert_bitwise_equal(
+        load_file(tmp_path / "w"), weightcache.load_from_disk(roots.inside).tensors
+    )
+
+    again = refused_preload(open_daemon.socket, roots.inside)
+    assert (again.code, again.reason) == (grpc.StatusCode.ALREADY_EXISTS, "MODEL_EXISTS")
+    assert again.metadata["model"] == "inside"
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_remote_preload_refuses_malformed_checkpoint(
+    open_daemon: Daemon, roots: Roots, case: str
+) -> None:
+    failure = refused_preload(open_daemon.socket, roots.root / case)
+
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_CHECKPOINT",
+    )
+    assert MALFORMED[case].message in failure.message
+    assert health(open_daemon.socket) == "SERVING"
+    assert str((roots.root / case).resolve()) not in model_paths(open_daemon.socket)
+
+
+def test_daemon_keeps_serving_after_malformed_preloads(
+    open_daemon: Daemon, workers: WorkerPool, roots: Roots, tmp_path: Path
+) -> None:
+    for case in MALFORMED:
+        assert refused_preload(open_daemon.socket, roots.root / case).reason == (
+            "INVALID_CHECKPOINT"
+        )
+
+    assert health(open_daemon.socket) == "SERVING"
+    assert open_daemon.proc.poll() is None
+    reply = workers.start().load(roots.good, socket=open_daemon.socket, dump=tmp_path / "w")
+    assert_attached(reply)
+    assert reply["model"] == "good"
+    assert_bitwise_equal(load_file(tmp_path / "w"), weightcache.load_from_disk(roots.good).tensors)

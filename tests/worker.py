@@ -1,0 +1,230 @@
+"""A model worker for the tests: a separate process that gets weights with weightcache.load.
+
+The test drives it over pipes: one JSON command per line on stdin, one JSON message per
+line back on the original stdout. Replies carry ``"reply"`` (the command's ``op``);
+messages the worker sends on its own carry ``"event"`` (``lease_lost``, from the
+``on_lease_lost`` callback, on the keepalive thread). File descriptor 1 is pointed at
+stderr first, so nothing a library prints can mix into the protocol. EOF on stdin: the
+worker closes what it loaded (releasing leases) and exits 0.
+
+Commands (``key`` names one loaded result):
+
+- ``load {key, path, kwargs, dump, lost_callback, capture_logs}``: ``weightcache.load``;
+  with ``dump``, save the tensors it got to that safetensors file.
+- ``dump {key, path}``: save the tensors (as they are now) to a safetensors file.
+- ``invert {key}``: write to every tensor in place: bitwise NOT of each byte
+  (``logical_not_`` for BOOL, to keep valid booleans).
+- ``wait_ack {key, seconds}``: wait until the daemon acknowledged a keepalive renewal,
+  so the lease is bound to this process's KeepAlive stream.
+- ``wait_lost {key, seconds}``: wait for the lease's loss, then touch ``tensors``.
+- ``close {key}``: ``LoadedWeights.close()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, MutableMapping
+from typing import Any, TextIO
+
+import torch
+from safetensors.torch import save_file
+from structlog.testing import capture_logs
+
+import weightcache
+
+SHM_MAPPING = "/dev/shm/weightcache-"
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """An exception as JSON: class, reason, detail, components, metadata."""
+    out: dict[str, Any] = {"type": type(exc).__name__, "detail": str(exc)}
+    if isinstance(exc, weightcache.WeightCacheError):
+        out["reason"] = exc.reason
+        out["metadata"] = exc.metadata
+    if isinstance(exc, weightcache.FingerprintMismatchError):
+        out["components"] = exc.components
+    if not isinstance(exc, weightcache.WeightCacheError):
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return repr(value)
+
+
+def shm_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of weightcache /dev/shm segments."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if SHM_MAPPING in line:
+                lo, hi = line.split()[0].split("-")
+                ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+def in_shared_memory(tensors: dict[str, torch.Tensor]) -> bool | None:
+    """Whether every non-empty tensor's bytes lie in a mapped daemon segment (zero-copy)."""
+    ranges = shm_ranges()
+    checks = [
+        any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in ranges)
+        for t in tensors.values()
+        if t.numel()
+    ]
+    return all(checks) if checks else None
+
+
+class WorkerState:
+    """What the worker loaded, and what its lease-loss callbacks saw."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.lock = threading.Lock()
+        self.weights: dict[str, weightcache.LoadedWeights] = {}
+        self.lost: dict[str, tuple[float, weightcache.LeaseLostError]] = {}
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self.lock:
+            self.out.write(json.dumps(message) + "\n")
+            self.out.flush()
+
+    def on_lost(self, key: str, err: weightcache.LeaseLostError) -> None:
+        at = time.monotonic()
+        self.lost[key] = (at, err)
+        self.send({"event": "lease_lost", "key": key, "t": at, "error": describe(err)})
+
+    # -- commands ------------------------------------------------------------------
+
+    def load(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        key = cmd["key"]
+        kwargs = dict(cmd.get("kwargs") or {})
+        if cmd.get("lost_callback"):
+            kwargs["on_lease_lost"] = functools.partial(self.on_lost, key)
+        logs: list[MutableMapping[str, Any]] = []
+        start = time.monotonic()
+        try:
+            if cmd.get("capture_logs"):
+                with capture_logs() as logs:
+                    weights = weightcache.load(cmd["path"], **kwargs)
+            else:
+                weights = weightcache.load(cmd["path"], **kwargs)
+        except weightcache.WeightCacheError as err:
+            elapsed = time.monotonic() - start
+            return {"ok": False, "error": describe(err), "elapsed": elapsed, "logs": jsonable(logs)}
+        elapsed = time.monotonic() - start
+        self.weights[key] = weights
+        tensors = weights.tensors
+        if cmd.get("dump"):
+            dump(tensors, cmd["dump"])
+        reason = weights.fallback_reason
+        lease = weights.lease
+        return {
+            "ok": True,
+            "source": weights.source,
+            "model": weights.model,
+            "fallback_reason": None
+            if reason is None
+            else {"code": reason.code, "detail": reason.detail, "components": reason.components},
+            "lease": None if lease is None else {"ttl": lease.ttl, "validity": lease.validity},
+            "names": list(tensors),
+            "in_shared_memory": in_shared_memory(tensors),
+            "elapsed": elapsed,
+            "logs": jsonable(logs),
+        }
+
+    def dump(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        dump(self.weights[cmd["key"]].tensors, cmd["path"])
+        return {"ok": True}
+
+    def invert(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        for tensor in self.weights[cmd["key"]].tensors.values():
+            if tensor.dtype == torch.bool:
+                tensor.logical_not_()
+            elif tensor.numel():
+                tensor.reshape(-1).view(torch.uint8).bitwise_not_()
+        return {"ok": True}
+
+    def wait_ack(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        lease = self.weights[cmd["key"]].lease
+        assert lease is not None, "no lease to wait on"
+        first = lease.last_ack
+        deadline = time.monotonic() + cmd["seconds"]
+        while lease.last_ack == first and lease.lost is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {"ok": lease.last_ack != first and lease.lost is None}
+
+    def wait_lost(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        key = cmd["key"]
+        weights = self.weights[key]
+        lease = weights.lease
+        assert lease is not None, "no lease to wait on"
+        fired = lease.wait_lost(cmd["seconds"])
+        reply: dict[str, Any] = {
+            "ok": True,
+            "fired": fired,
+            "last_ack": lease.last_ack,
+            "callback_t": self.lost[key][0] if key in self.lost else None,
+        }
+        try:
+            weights.tensors  # noqa: B018 - the access is the test
+        except weightcache.LeaseLostError as err:
+            callback_err = self.lost[key][1] if key in self.lost else None
+            reply["tensors_error"] = {
+                **describe(err),
+                "is_lease_lost": err is weights.lease_lost,
+                "is_callback_error": err is callback_err,
+            }
+        else:
+            reply["tensors_error"] = None
+        return reply
+
+    def close(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.weights[cmd["key"]].close()
+        return {"ok": True}
+
+    def close_all(self) -> None:
+        for weights in self.weights.values():
+            weights.close()
+
+
+def dump(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """Save private copies of the tensors (views of one arena share storage)."""
+    save_file({name: t.clone() for name, t in tensors.items()}, path)
+
+
+def main() -> None:
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    state = WorkerState(out)
+    handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+        "load": state.load,
+        "dump": state.dump,
+        "invert": state.invert,
+        "wait_ack": state.wait_ack,
+        "wait_lost": state.wait_lost,
+        "close": state.close,
+    }
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            reply = handlers[cmd["op"]](cmd)
+        except Exception as exc:
+            reply = {"ok": False, "error": describe(exc)}
+        state.send({"reply": cmd["op"], **reply})
+    state.close_all()
+
+
+if __name__ == "__main__":
+    main()
