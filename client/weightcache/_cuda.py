@@ -91,6 +91,10 @@ class Runtime:
         fn = getattr(self._lib, self.prefix + name)
         code = fn(*args)
         if code != 0:
+            # A failed call is also this thread's "last error", which torch reads with
+            # cudaGetLastError after its own kernel launches: clear it, or torch would later
+            # report this failure as its own (e.g. after a fallback to disk).
+            getattr(self._lib, self.prefix + "GetLastError")()
             get_string = getattr(self._lib, self.prefix + "GetErrorString")
             get_string.restype = ctypes.c_char_p
             raise CudaError(f"{self.prefix}{name} failed: {get_string(code).decode()} ({code})")
@@ -205,6 +209,7 @@ def device_tensor(ptr: int, size: int, index: int, on_free: Any = None) -> torch
 class _Opened:
     ptr: int
     refs: int
+    index: int
 
 
 _opened: dict[bytes, _Opened] = {}
@@ -225,8 +230,9 @@ def open_ipc(raw: bytes, size: int, index: int) -> torch.Tensor:
         opened = _opened.get(raw)
         if opened is None:
             rt = runtime()
-            rt.set_device(index)
-            opened = _opened[raw] = _Opened(rt.ipc_open(raw), 0)
+            with torch.cuda.device(index):  # restores the caller's current device after
+                rt.set_device(index)
+                opened = _opened[raw] = _Opened(rt.ipc_open(raw), 0, index)
         opened.refs += 1
     return device_tensor(opened.ptr, size, index, on_free=lambda: _release(raw))
 
@@ -239,4 +245,10 @@ def _release(raw: bytes) -> None:
         opened.refs -= 1
         if opened.refs == 0:
             del _opened[raw]
-            runtime().ipc_close(opened.ptr)
+            # Unmap on the device it was opened on, once the kernels queued there have
+            # finished: the last view can go while a kernel still reads the mapping.
+            with torch.cuda.device(opened.index):
+                torch.cuda.synchronize()
+                rt = runtime()
+                rt.set_device(opened.index)
+                rt.ipc_close(opened.ptr)

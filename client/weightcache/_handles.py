@@ -73,6 +73,9 @@ class MappedArena:
             pages.copy_(pages.clone())
             return
         storage = self.base.clone().untyped_storage()
+        # The copy runs asynchronously: it must be done before the mapping can close and
+        # before the lease is released (the daemon may then free the arena).
+        torch.cuda.synchronize(self.base.device)
         with torch.no_grad():
             for tensor in [ref() for ref in list(self._tracked.values())]:
                 if tensor is None:
@@ -141,7 +144,11 @@ def open_cuda_ipc(
     index = local_index(handle.device_uuid)
     base = open_ipc(handle.ipc_handle, handle.size, index)
     if copy:
-        base = base.clone()
+        private = base.clone()
+        # The copy runs asynchronously: it must be done before the last view of the mapping
+        # goes (that closes it) and before the caller releases the lease.
+        torch.cuda.synchronize(index)
+        base = private
     return MappedArena(tensors=build_views(base, views), base=base, size=handle.size)
 
 
