@@ -318,7 +318,10 @@ def test_systemd_template_runs_one_daemon_per_gpu_instance() -> None:
     probe = shlex.split(service["ExecStartPost"])
     assert "health --socket /run/weightcache/gpu%i.sock" in probe[-1]
     assert service["EnvironmentFile"] == "-/etc/weightcache/%i.env"
-    assert service["Environment"] == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"
+    assert service["Environment"].split() == [
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False",
+        "CUDA_DEVICE_ORDER=PCI_BUS_ID",
+    ]
     assert service["KillSignal"] == "SIGTERM"
     # Stopping waits for the drain (--drain-timeout, default 30 s) and then some.
     assert int(service["TimeoutStopSec"]) > 30

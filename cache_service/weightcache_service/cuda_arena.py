@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from weightcache._cuda import IPC_HANDLE_BYTES, CudaError, device_tensor, device_uuid, runtime
-from weightcache._errors import ResourceExhaustedError
+from weightcache._cuda import IPC_HANDLE_BYTES, device_tensor, device_uuid, runtime
+from weightcache._errors import CudaError, ResourceExhaustedError
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import Slot
 
@@ -72,5 +72,8 @@ class CudaArena:
     def close(self) -> None:
         """Free the allocation (after every lease on it has ended)."""
         del self._base
-        torch.cuda.synchronize(self.index)
-        runtime().free(self._ptr)
+        with torch.cuda.device(self.index):
+            torch.cuda.synchronize(self.index)
+            rt = runtime()
+            rt.set_device(self.index)
+            rt.free(self._ptr)

@@ -28,28 +28,32 @@ from typing import Any
 
 import torch
 
-from weightcache._errors import WeightCacheError
+from weightcache._errors import CudaError, DeviceNotVisibleError
 
 IPC_HANDLE_BYTES = 64
 #: cudaIpcMemLazyEnablePeerAccess
 _LAZY_PEER_ACCESS = 1
 
 
-class DeviceNotVisibleError(WeightCacheError):
-    """The daemon's device is not visible to this process (``CUDA_VISIBLE_DEVICES``)."""
-
-    reason = "DEVICE_NOT_VISIBLE"
-
-
-class CudaError(WeightCacheError):
-    """A CUDA runtime call failed; the message names the call and the error."""
-
-    reason = "CUDA_ERROR"
-
-
 def is_rocm() -> bool:
     """Whether the installed torch is a ROCm (HIP) build."""
     return getattr(torch.version, "hip", None) is not None
+
+
+def _mapped_libraries(stem: str) -> list[str]:
+    """Paths of libraries named ``stem*`` already mapped into this process (Linux)."""
+    if torch.cuda.is_available():
+        torch.cuda.current_device()  # initializes CUDA: torch loads its runtime
+    found: list[str] = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if os.path.basename(path).startswith(stem) and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
 
 
 class _IpcHandle(ctypes.Structure):
@@ -68,9 +72,12 @@ class Runtime:
         self._lib = self._load()
 
     def _load(self) -> ctypes.CDLL:
-        torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
         name = "libamdhip64.so" if self.prefix == "hip" else "libcudart.so"
-        candidates = sorted(glob.glob(os.path.join(torch_lib, name + "*")))
+        # The copy torch already loaded first: a second copy of the runtime (another
+        # version on LD_LIBRARY_PATH) would have its own contexts and handles.
+        candidates = _mapped_libraries(name.removesuffix(".so"))
+        torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+        candidates += sorted(glob.glob(os.path.join(torch_lib, name + "*")))
         try:
             import nvidia.cuda_runtime as runtime_pkg  # type: ignore[import-not-found]
 
@@ -79,7 +86,7 @@ class Runtime:
             )
         except ImportError:
             pass
-        candidates += [name, name + ".13", name + ".12", name + ".6"]
+        candidates += [name + ".13", name + ".12", name + ".7", name + ".6", name]
         for candidate in candidates:
             try:
                 return ctypes.CDLL(candidate)
@@ -176,9 +183,11 @@ def local_index(uuid: str, uuids: list[str] | None = None) -> int:
     for index, candidate in enumerate(uuids):
         if format_uuid(candidate) == wanted:
             return index
+    masks = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+    shown = "; ".join(f"{m}={os.environ[m]}" for m in masks if m in os.environ)
     raise DeviceNotVisibleError(
-        f"device {wanted} is not visible to this process (CUDA_VISIBLE_DEVICES="
-        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; visible: {uuids})"
+        f"device {wanted} is not visible to this process "
+        f"({shown or 'CUDA_VISIBLE_DEVICES=<unset>'}; visible: {uuids})"
     )
 
 
@@ -202,7 +211,12 @@ def device_tensor(ptr: int, size: int, index: int, on_free: Any = None) -> torch
     owner = _DeviceBuffer(ptr, size)
     if on_free is not None:
         weakref.finalize(owner, on_free)
-    return torch.as_tensor(owner, device=torch.device("cuda", index))
+    tensor = torch.as_tensor(owner, device=torch.device("cuda", index))
+    if tensor.data_ptr() != ptr:
+        # as_tensor copies when the memory is on another device than asked: that would be
+        # a silent copy, and the view would not be of the arena.
+        raise CudaError(f"device memory at {ptr:#x} is not on cuda:{index}")
+    return tensor
 
 
 @dataclass
@@ -213,7 +227,9 @@ class _Opened:
 
 
 _opened: dict[bytes, _Opened] = {}
-_opened_lock = threading.Lock()
+# Reentrant: the garbage collector may run _release (a finalizer) on a thread that is
+# already inside open_ipc's locked section.
+_opened_lock = threading.RLock()
 
 
 def open_ipc(raw: bytes, size: int, index: int) -> torch.Tensor:

@@ -13,6 +13,8 @@ Hierarchy::
     ├── LeaseLostError              a lease ended while its tensors were in use
     ├── UntrustedSocketError        the socket or a segment is a symlink or not trusted
     ├── HandleError                 a storage handle cannot be opened or a view is bad
+    ├── DeviceNotVisibleError       the daemon's GPU is not visible to this process
+    ├── CudaError                   a CUDA/HIP runtime call failed
     └── RemoteError                 the daemon refused a request
         ├── FingerprintMismatchError    a held model differs; ``components`` says where
         ├── ModelNotFoundError          no held model resembles the request
@@ -97,6 +99,18 @@ class HandleError(WeightCacheError):
     """A storage handle cannot be opened, or a tensor view does not fit its arena."""
 
     reason = "INVALID_HANDLE"
+
+
+class DeviceNotVisibleError(WeightCacheError):
+    """The daemon's device is not visible to this process (``CUDA_VISIBLE_DEVICES``)."""
+
+    reason = "DEVICE_NOT_VISIBLE"
+
+
+class CudaError(WeightCacheError):
+    """A CUDA (HIP) runtime call failed; the message names the call and the error."""
+
+    reason = "CUDA_ERROR"
 
 
 class RemoteError(WeightCacheError):

@@ -389,7 +389,7 @@ def _acquire_request(checkpoint: Checkpoint, fp: Fingerprint, ttl: float) -> pb.
         checkpoint_path=str(checkpoint.root),
         ttl=ttl_pb,
         environment=pb.Environment(
-            weightcache_version=__version__, torch_version=torch.__version__, backend="cpu_shm"
+            weightcache_version=__version__, torch_version=torch.__version__
         ),
         pid=os.getpid(),
     )
