@@ -167,25 +167,35 @@ class KeepAliveSession:
             self._channel.close()
 
     def _requests(self) -> Iterator[pb.KeepAliveRequest]:
+        # Holds lease ids only, never a ClientLease: the generator's frame lives as long as
+        # the stream, and a lease kept here would keep its arena mapped after close().
         next_send = 0.0
         while True:
-            with self._lock:
-                leases = list(self._leases.values())
-            if not leases:
+            ids, interval = self._live_leases()
+            if not ids:
                 # Idle: keep the stream (one per process) for the next lease.
                 self._wait_wake(1.0)
                 next_send = 0.0
                 continue
             now = self._clock()
-            for lease in leases:
-                if now - lease.last_ack > lease.validity:
-                    self._lose(lease, f"no keepalive acknowledgement for {lease.validity:.1f} s")
-            interval = min(lease.ttl for lease in leases) / 3
             if now >= next_send:
                 next_send = now + interval
-                yield pb.KeepAliveRequest(lease_ids=[lease.lease_id for lease in leases])
+                yield pb.KeepAliveRequest(lease_ids=ids)
             if self._wait_wake(min(interval / 4, 0.25)):
                 next_send = 0.0
+
+    def _live_leases(self) -> tuple[list[str], float]:
+        """Declare lost the leases whose validity passed; the ids of the others and the
+        renewal interval (a third of the shortest TTL), in seconds."""
+        with self._lock:
+            leases = list(self._leases.values())
+        now = self._clock()
+        for lease in leases:
+            if now - lease.last_ack > lease.validity:
+                self._lose(lease, f"no keepalive acknowledgement for {lease.validity:.1f} s")
+        live = [lease for lease in leases if lease.lost is None]
+        interval = min((lease.ttl for lease in live), default=3.0) / 3
+        return [lease.lease_id for lease in live], interval
 
     def _wait_wake(self, timeout: float) -> bool:
         try:
