@@ -38,13 +38,14 @@ from weightcache_service.server import SERVICE_NAME, socket_tag
 TESTS = Path(__file__).resolve().parent
 WORKER_SCRIPT = TESTS / "worker.py"
 SHM_DIR = "/dev/shm"
-#: Seconds a daemon may take to become ready, or to stop after SIGTERM.
-READY_TIMEOUT = 30.0
-STOP_TIMEOUT = 15.0
+#: Seconds a daemon may take to become ready, or to stop after SIGTERM. Generous: on a
+#: loaded 2-core machine importing torch alone can take many seconds.
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 30.0
 #: Seconds between readiness probes.
 POLL = 0.05
 #: Seconds a worker may take to answer one command (it imports torch first).
-WORKER_TIMEOUT = 60.0
+WORKER_TIMEOUT = 90.0
 #: The log line a daemon writes for each segment of a dead predecessor it removes.
 REMOVED_SEGMENT = "removed a dead daemon's segment"
 

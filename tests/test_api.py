@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 
 import grpc
@@ -31,6 +33,8 @@ def test_all_names_exist() -> None:
 
 
 def test_all_public_names_are_exported() -> None:
+    for name in weightcache.__all__:
+        getattr(weightcache, name)  # resolve the lazily imported names first
     public = {
         name
         for name, value in vars(weightcache).items()
@@ -38,6 +42,21 @@ def test_all_public_names_are_exported() -> None:
     }
 
     assert public | {"__version__"} == set(weightcache.__all__)
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    name = "no_such_name"
+    with pytest.raises(AttributeError, match=name):
+        getattr(weightcache, name)
+
+
+def test_import_does_not_import_torch() -> None:
+    code = "import sys, weightcache; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+
+    assert result.stdout == "False\n"
 
 
 def test_exported_errors_are_weightcache_errors() -> None:

@@ -1,0 +1,307 @@
+"""Hugging Face checkpoint layouts through a real daemon and a worker process.
+
+- the hub cache (``models--org--name/snapshots/<rev>/`` symlinking into ``blobs/``),
+  addressed by snapshot path, branch and commit; ``full`` fingerprints of blobs from
+  their names, without reading them;
+- a sharded folder with stray ``.safetensors`` files the index does not name;
+- ``__metadata__`` preserved and exposed on both sides;
+- tied embeddings: stored once and tied in the module, or stored twice and served so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import weightcache
+import weightcache._hashcache
+from tests.recipe_support import (
+    TEST_TIMEOUT,
+    HashCounter,
+    HubRepo,
+    RecipeWorker,
+    RecipeWorkerPool,
+    build_llama,
+    children_env,
+    start_daemons,
+    wait_ready,
+    write_hub_repo,
+    write_shards,
+)
+from tests.support import (
+    INDEX_FILE,
+    SHARD_1,
+    SHARD_2,
+    SHARD_OF,
+    SINGLE_FILE,
+    Checkpoints,
+    Daemon,
+    DaemonPool,
+    assert_attached,
+    assert_bitwise_equal,
+    get_model,
+    reference_tensors,
+)
+
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT)
+
+REPO_ID = "acme/tiny-model"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+#: Several keys, one of them not ASCII: all must come back as written.
+METADATA = {"format": "pt", "license": "apache-2.0", "producer": "weightcache tests \u2713"}
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def split(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """``reference_tensors`` in the two shards of :data:`tests.support.SHARD_OF`."""
+    return {s: {n: t for n, t in tensors.items() if SHARD_OF[n] == s} for s in (SHARD_1, SHARD_2)}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Checkpoints (each with other bytes, so that no two share a fingerprint), one daemon
+    preloading all of them as stored, and one worker.
+
+    Attributes:
+        hub: a hub-cache repo (``reference_tensors(seed=2)`` in two shards).
+        stray: two shards + index (seed 3), plus a valid ``model.safetensors`` and a
+            garbage ``zz-extra.safetensors`` that the index does not name.
+        meta: two shards + index (seed 4) with :data:`METADATA`.
+        tied_once: a tied Llama saved by ``save_pretrained`` (the embedding once).
+        tied_both: the same weights with ``lm_head.weight`` stored as a second copy.
+    """
+
+    hub: HubRepo
+    stray: Path
+    meta: Path
+    tied_once: Path
+    tied_both: Path
+    daemon: Daemon
+    worker: RecipeWorker
+
+
+@pytest.fixture(scope="module")
+def setup(module_daemons: DaemonPool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    base = tmp_path_factory.mktemp("hf")
+    source = write_shards(base / "hub-source", split(reference_tensors(seed=2)))
+    hub = write_hub_repo(base / "hub", REPO_ID, source, COMMIT)
+    stray = write_shards(base / "stray", split(reference_tensors(seed=3)))
+    save_file({"stray.weight": torch.ones(3)}, str(stray / SINGLE_FILE))
+    (stray / "zz-extra.safetensors").write_bytes(b"\xff" * 64)
+    meta = write_shards(base / "meta", split(reference_tensors(seed=4)), metadata=METADATA)
+    tied_once = build_llama(base / "tied-once", seed=1, max_shard_size=None, tie=True)
+    tied_both = base / "tied-both"
+    shutil.copytree(tied_once, tied_both)
+    stored = load_file(tied_both / SINGLE_FILE)
+    assert LM_HEAD not in stored
+    stored[LM_HEAD] = stored[EMBED].clone()
+    save_file(stored, str(tied_both / SINGLE_FILE), metadata={"format": "pt"})
+
+    env = children_env(base / "hash-cache")
+    models = [hub.snapshot, stray, meta, tied_once, tied_both]
+    daemons = start_daemons(module_daemons, env, {"d": [str(m) for m in models]})
+    workers = RecipeWorkerPool(base, env)
+    worker = workers.start()
+    try:
+        wait_ready(daemons.values())
+        yield Setup(hub, stray, meta, tied_once, tied_both, daemons["d"], worker)
+    finally:
+        workers.close()
+
+
+@pytest.fixture
+def worker(setup: Setup) -> Iterator[RecipeWorker]:
+    yield setup.worker
+    setup.worker.close_all()
+
+
+# -- the hub cache layout --------------------------------------------------------------
+
+
+def test_hub_snapshot_resolves_branch_and_commit(setup: Setup) -> None:
+    hub = setup.hub
+    for revision in ("main", COMMIT):
+        assert weightcache.hub_snapshot(hub.cache_root, REPO_ID, revision) == hub.snapshot
+        checkpoint = weightcache.open_checkpoint(hub.cache_root, repo_id=REPO_ID, revision=revision)
+        assert checkpoint.root == hub.snapshot.resolve()
+        assert [s.name for s in checkpoint.shards] == [SHARD_1, SHARD_2]
+        # Shards are read through the relative symlinks: their realpaths are the blobs.
+        assert [s.path for s in checkpoint.shards] == [
+            hub.blobs[SHARD_1].resolve(),
+            hub.blobs[SHARD_2].resolve(),
+        ]
+        assert os.readlink(hub.snapshot / SHARD_1) == f"../../blobs/{hub.blobs[SHARD_1].name}"
+    for repo, revision in ((REPO_ID, "no-such-branch"), ("acme/absent", "main")):
+        with pytest.raises(weightcache.InvalidCheckpointError, match="is not in the hub cache"):
+            weightcache.hub_snapshot(hub.cache_root, repo, revision)
+
+
+@pytest.mark.parametrize("given", ["snapshot-path", "branch", "commit"])
+def test_hub_checkpoint_attaches_bitwise(
+    setup: Setup, worker: RecipeWorker, tmp_path: Path, given: str
+) -> None:
+    hub = setup.hub
+    where = {"cache_root": str(hub.cache_root), "repo_id": REPO_ID}
+    path = hub.snapshot if given == "snapshot-path" else None
+    resolved = None if path else {**where, "revision": "main" if given == "branch" else COMMIT}
+
+    reply = worker.load(
+        path, hub=resolved, socket=setup.daemon.socket, fallback=False, dump=tmp_path / "w"
+    )
+
+    assert_attached(reply)
+    assert reply["path"] == str(hub.snapshot)
+    assert reply["model"] == COMMIT
+    got = load_file(tmp_path / "w")
+    assert_bitwise_equal(got, weightcache.load_from_disk(hub.snapshot).tensors)
+    assert_bitwise_equal(got, reference_tensors(seed=2))
+    held = get_model(setup.daemon.socket, COMMIT)
+    assert held.path == str(hub.snapshot.resolve())
+
+
+def _full(path: Path) -> weightcache.Fingerprint:
+    checkpoint = weightcache.open_checkpoint(path)
+    recipe, placement = weightcache.Recipe(), weightcache.Placement()
+    return weightcache.compute_fingerprint(checkpoint, recipe, placement, "full")
+
+
+def test_full_fingerprint_of_blobs_comes_from_their_names(
+    setup: Setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "hash-cache"
+    monkeypatch.setenv("WEIGHTCACHE_HASH_CACHE", str(cache))
+    hashes = HashCounter(monkeypatch)
+    plain = tmp_path / "plain"
+    shutil.copytree(setup.hub.snapshot, plain)  # follows the symlinks: plain files
+    assert not any(p.is_symlink() for p in plain.iterdir())
+
+    from_blobs = _full(setup.hub.snapshot)
+
+    assert hashes.take() == []  # no blob was read: their names are their sha256
+    assert not cache.exists()
+    from_files = _full(plain)
+    assert hashes.take() == [SHARD_1, SHARD_2]
+    assert from_blobs == from_files
+    for shard in (SHARD_1, SHARD_2):
+        blob = setup.hub.blobs[shard]
+        assert blob.name == hashlib.sha256(blob.read_bytes()).hexdigest()
+
+    # A blob named with another hash yields that name: proof that the name, not the bytes,
+    # is what counts.
+    fake = {f: hashlib.sha256(f"not {f}".encode()).hexdigest() for f in (SHARD_1, SHARD_2)}
+    renamed = write_hub_repo(
+        tmp_path / "hub", "acme/renamed", setup.hub.snapshot, COMMIT, blob_name=fake
+    )
+    for shard in (SHARD_1, SHARD_2):
+        assert weightcache._hashcache.file_sha256(renamed.snapshot / shard) == fake[shard]
+    from_renamed = _full(renamed.snapshot)
+    assert hashes.take() == []
+    assert from_renamed.differing(from_files) == [f"checkpoint/{SHARD_1}", f"checkpoint/{SHARD_2}"]
+    # Only the plain files were cached; a blob needs no entry.
+    assert len(list(cache.iterdir())) == 2
+
+
+# -- stray files and metadata -----------------------------------------------------------
+
+
+def test_stray_safetensors_files_beside_an_index_are_ignored(
+    setup: Setup, worker: RecipeWorker, tmp_path: Path
+) -> None:
+    stray = setup.stray
+    checkpoint = weightcache.open_checkpoint(stray)
+    assert [s.name for s in checkpoint.shards] == [SHARD_1, SHARD_2]
+    expected = reference_tensors(seed=3)
+    assert_bitwise_equal(weightcache.load_from_disk(stray).tensors, expected)
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    for file in (SHARD_1, SHARD_2, INDEX_FILE):
+        shutil.copyfile(stray / file, clean / file)
+    sampled = {
+        p: weightcache.compute_fingerprint(
+            weightcache.open_checkpoint(p), weightcache.Recipe(), weightcache.Placement()
+        )
+        for p in (stray, clean)
+    }
+    assert sampled[stray] == sampled[clean]
+    assert sorted(sampled[stray].components) == [
+        f"checkpoint/{SHARD_1}",
+        f"checkpoint/{SHARD_2}",
+        "format",
+        "layout",
+        "placement",
+        "recipe",
+    ]
+
+    reply = worker.load(stray, socket=setup.daemon.socket, fallback=False, dump=tmp_path / "w")
+
+    assert_attached(reply)
+    assert reply["model"] == "stray"
+    assert_bitwise_equal(load_file(tmp_path / "w"), expected)
+    assert get_model(setup.daemon.socket, "stray").tensor_count == len(expected)
+
+
+def test_metadata_is_preserved_and_exposed(
+    setup: Setup, worker: RecipeWorker, checkpoints: Checkpoints
+) -> None:
+    reply = worker.load(setup.meta, socket=setup.daemon.socket, fallback=False)
+
+    assert_attached(reply)
+    assert reply["metadata"] == METADATA
+    assert weightcache.load_from_disk(setup.meta).metadata == METADATA
+    assert dict(get_model(setup.daemon.socket, "meta").metadata) == METADATA
+    checkpoint = weightcache.open_checkpoint(setup.meta)
+    assert [s.metadata for s in checkpoint.shards] == [METADATA, METADATA]
+    held = get_model(setup.daemon.socket, "stray")  # written with {"format": "pt"}
+    assert dict(held.metadata) == {"format": "pt"}
+
+
+# -- tied embeddings ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stored", ["once", "twice"])
+def test_tied_embeddings_stay_one_parameter_after_load_into(
+    setup: Setup, worker: RecipeWorker, tmp_path: Path, stored: str
+) -> None:
+    folder = setup.tied_once if stored == "once" else setup.tied_both
+    names = list(weightcache.open_checkpoint(folder).tensors)
+    assert (LM_HEAD in names) is (stored == "twice")
+
+    reply = worker.module("llama", folder, tmp_path / "out", socket=setup.daemon.socket)
+
+    assert reply["ok"], reply
+    assert (reply["source"], reply["fallback_reason"]) == ("cache", None)
+    assert reply["model"] == folder.name
+    assert reply["tensors"] == len(names)
+    assert reply["tied_by_id"] == [[EMBED, LM_HEAD]]
+    assert reply["tied_by_data_ptr"] == [[EMBED, LM_HEAD]]
+    assert reply["disk_tied_by_id"] == [[EMBED, LM_HEAD]]
+    assert reply["params_in_shared_memory"] is True
+    out = load_file(tmp_path / "out")
+    assert out["cache"].shape == (1, 12, 128)
+    assert_bitwise_equal({"logits": out["cache"]}, {"logits": out["disk"]})
+
+
+def test_a_checkpoint_storing_both_copies_is_served_as_stored(
+    setup: Setup, worker: RecipeWorker, tmp_path: Path
+) -> None:
+    reply = worker.load(
+        setup.tied_both, socket=setup.daemon.socket, fallback=False, dump=tmp_path / "w"
+    )
+
+    assert_attached(reply)
+    assert reply["model"] == "tied-both"
+    assert EMBED in reply["names"] and LM_HEAD in reply["names"]
+    got = load_file(tmp_path / "w")
+    assert_bitwise_equal(got, weightcache.load_from_disk(setup.tied_both).tensors)
+    assert_bitwise_equal({"w": got[LM_HEAD]}, {"w": got[EMBED]})
+    once = weightcache.load_from_disk(setup.tied_once).tensors
+    assert sorted(got) == sorted([*once, LM_HEAD])
+    assert_bitwise_equal({"w": got[EMBED]}, {"w": once[EMBED]})
