@@ -791,12 +791,6 @@ def test_known_faults_are_recognised_by_the_fuzz_filter(case: str) -> None:
     assert known_fault(FAULTS[case]) is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG client/weightcache/_checkpoint.py, _fingerprint.py: these headers raise "
-    "RecursionError, UnicodeEncodeError, TypeError or RuntimeError, not "
-    "InvalidCheckpointError",
-)
 @pytest.mark.parametrize("case", sorted(FAULTS))
 def test_known_fault_on_disk_is_invalid_checkpoint(tmp_path: Path, case: str) -> None:
     folder = write_checkpoint(tmp_path / case, FAULTS[case])
@@ -805,11 +799,6 @@ def test_known_fault_on_disk_is_invalid_checkpoint(tmp_path: Path, case: str) ->
         weightcache.load_from_disk(folder)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG client/weightcache/_checkpoint.py _read_index: json.loads RecursionError on "
-    "a deeply nested model.safetensors.index.json escapes as RecursionError",
-)
 def test_deeply_nested_index_is_invalid_checkpoint(tmp_path: Path) -> None:
     folder = tmp_path / "nested-index"
     folder.mkdir()
@@ -819,14 +808,6 @@ def test_deeply_nested_index_is_invalid_checkpoint(tmp_path: Path) -> None:
         weightcache.open_checkpoint(folder)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the daemon answers UNKNOWN for these checkpoints (RecursionError, "
-    "UnicodeEncodeError), or accepts them and leaves the model LOADING forever with its "
-    "arena held and Evict refused (store.py Store._load catches only WeightCacheError, "
-    "OSError and RuntimeError; the ValueError from TensorView escapes), or breaks "
-    "ListModels for everyone (metadata not valid UTF-8)",
-)
 @pytest.mark.parametrize("case", sorted(DAEMON_FAULTS))
 def test_known_fault_in_remote_preload_is_invalid_checkpoint(daemons: Daemons, case: str) -> None:
     folder = write_checkpoint(daemons.faulty_root / case, DAEMON_FAULTS[case])

@@ -247,12 +247,6 @@ def test_sigterm_raise_holder_loses_lease_stopped_holder_holds_drain_to_its_time
     assert (resumed["digest"], resumed["tensors_error"]) == (expected, None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: LoadedWeights.close() raises DaemonUnavailableError once the daemon has "
-    "drained and removed its socket: session_for() starts a new KeepAlive session to look "
-    "the lease up, and connect() refuses a missing socket",
-)
 def test_close_after_the_daemon_drained_is_a_no_op(
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
@@ -489,12 +483,6 @@ def test_workers_wait_for_a_starting_daemon_and_a_loading_model(
     print(f"answers before the lease: {reasons.count('MODEL_LOADING')} MODEL_LOADING")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: between binding the socket and registering a start-up preload (while its "
-    "fingerprint is computed) Acquire answers MODEL_NOT_FOUND, so a worker loads from disk "
-    "(fallback=True) or raises (fallback=False) instead of waiting",
-)
 def test_acquire_while_start_up_preloads_register_is_model_loading(
     daemons: DaemonPool, big: Big, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

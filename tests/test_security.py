@@ -539,12 +539,6 @@ def test_outsider_cannot_connect_or_map(fleet: Fleet) -> None:
     assert ls["stdout"] == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG client/weightcache/_loader.py _Attach._check_socket catches only "
-    "FileNotFoundError from _trust.check_socket: os.lstat of a socket in a folder the "
-    "user cannot search raises PermissionError, which escapes load(fallback=True)",
-)
 def test_outsider_load_falls_back_to_disk(fleet: Fleet) -> None:
     load = fleet.user_result("wctest_outsider")["load"]
 
@@ -577,11 +571,6 @@ def test_daemon_refuses_unsafe_start(fleet: Fleet, name: str) -> None:
         assert not os.path.lexists(refused.socket + ".lock")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG cache_service/weightcache_service/cli.py _preload does not catch the OSError "
-    "of SocketLock (os.open O_NOFOLLOW on a symlinked lock file): a traceback, not a message",
-)
 def test_symlinked_lock_file_is_refused_with_a_message(fleet: Fleet) -> None:
     refused = fleet.refusals["lock-file-is-symlink"]
 
@@ -663,14 +652,6 @@ def test_segment_names_are_random_and_differ_across_instances(restart: Restart) 
     assert restart.first_left == []  # a clean stop removes its segments
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG cache_service/weightcache_service/server.py Daemon.__init__ computes "
-    "socket_tag(config.socket) with os.path.realpath before the stale socket path is "
-    "unlinked: a symlink planted there gives the daemon the tag of the link's target, so "
-    "it removes the segments of the daemon serving that target as 'stale' and its own "
-    "segments escape the clean-up after a crash",
-)
 def test_segment_tag_ignores_a_symlink_planted_at_the_socket_path(restart: Restart) -> None:
     (segment,) = _segments_of(restart.second_instance)
     match = SEGMENT_NAME.match(os.path.basename(segment))
@@ -912,12 +893,6 @@ def test_client_refuses_a_bad_handle_and_releases_it(rogue: Rogue, case: str) ->
     assert_bitwise_equal(weights.tensors, weightcache.load_from_disk(rogue.model).tensors)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG client/weightcache/_handles.py _open_regular opens the handle's path "
-    "(O_RDONLY, blocking) before checking that it is a regular file: a FIFO in /dev/shm "
-    "blocks load() until someone opens it for writing",
-)
 def test_client_does_not_block_on_a_fifo_handle(rogue: Rogue) -> None:
     fifo = _rogue_path(rogue, "fifo")
     reply = pb.AcquireResponse()
@@ -1187,14 +1162,6 @@ def test_fields_at_their_limits_are_accepted(fleet: Fleet) -> None:
     assert reply.lease.model == "tiny"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG service.py/store.py echo request strings unbounded into the status message "
-    "and ErrorInfo metadata (e.g. Store.get: f'no model named {name!r}' plus "
-    "metadata['model']); a 4096-character name, allowed by MAX_PATH_CHARS, makes trailers "
-    "over gRPC's 16 KiB metadata limit, so the client gets RESOURCE_EXHAUSTED 'Stream "
-    "removed' (from ~2.6 KB on: randomly, over the 8 KiB soft limit) instead of the reason",
-)
 @pytest.mark.parametrize("rpc", ["GetModel", "Evict"])
 def test_an_error_about_a_name_at_the_limit_reaches_the_client(fleet: Fleet, rpc: str) -> None:
     name = "\x01" * 4096  # within MAX_PATH_CHARS; repr() makes it 16 KiB
@@ -1351,12 +1318,6 @@ def test_keepalive_request_over_4096_leases_ends_the_stream(fleet: Fleet) -> Non
 # -- findings beyond the brief's list ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG cache_service/weightcache_service/leases.py LeaseTable.grant returns the "
-    "lease of an earlier request_id whatever model it is on: an Acquire of model B gets "
-    "model B's handles under a lease on model A (B is unprotected against Evict)",
-)
 def test_request_id_reuse_for_another_model_does_not_return_the_other_lease(
     fleet: Fleet,
 ) -> None:
@@ -1384,12 +1345,6 @@ def test_request_id_reuse_for_another_model_does_not_return_the_other_lease(
     assert b.lease.lease_id != a.lease.lease_id
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG weightcache/_checkpoint.py resolves shard files with realpath but only the "
-    "requested folder is checked against --model-root (service.py _allowed_path): a shard "
-    "symlinked to a file outside the root is read and served",
-)
 def test_remote_preload_refuses_a_shard_symlinked_outside_the_model_root(
     fleet: Fleet,
 ) -> None:

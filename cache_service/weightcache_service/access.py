@@ -83,6 +83,11 @@ class Access:
             raise AccessError(f"socket folder {folder} is a symlink or not a folder")
         if info.st_uid != os.geteuid():
             raise AccessError(f"socket folder {folder} belongs to uid {info.st_uid}, not us")
+        if self.gid is not None and (info.st_gid != self.gid or info.st_mode & 0o050 != 0o050):
+            # Our folder (say systemd's RuntimeDirectory, 0700): open it to the group.
+            os.chown(folder, -1, self.gid)
+            os.chmod(folder, (stat.S_IMODE(info.st_mode) | 0o050) & ~0o022)
+            info = os.lstat(folder)
         if info.st_mode & 0o022:
             raise AccessError(
                 f"socket folder {folder} is writable by others (mode "

@@ -220,7 +220,7 @@ def _preload(args: argparse.Namespace) -> int:
             tcp=_tcp(args),
         )
         run_daemon(config)
-    except (AccessError, DeviceError, SocketInUseError, WeightCacheError) as err:
+    except (AccessError, DeviceError, SocketInUseError, WeightCacheError, OSError) as err:
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
     return 0

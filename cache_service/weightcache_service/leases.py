@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from weightcache._errors import ResourceExhaustedError
+from weightcache._errors import InvalidArgumentError, ResourceExhaustedError
 
 Clock = Callable[[], float]
 
@@ -80,11 +80,17 @@ class LeaseTable:
         """Grant a lease, or return the live one an earlier call with ``request_id`` granted.
 
         Raises:
+            InvalidArgumentError: ``request_id`` already holds a lease on another model.
             ResourceExhaustedError: the daemon, or this pid, holds the most leases allowed.
         """
-        existing = self._by_request.get(request_id)
-        if request_id and existing in self._leases:
-            return self._leases[existing]
+        existing = self._leases.get(self._by_request.get(request_id, ""))
+        if request_id and existing is not None:
+            if existing.model != model:
+                raise InvalidArgumentError(
+                    "request_id was used for a lease on another model",
+                    metadata={"field": "request_id"},
+                )
+            return existing
         if len(self._leases) >= self.max_leases:
             raise ResourceExhaustedError(f"the daemon holds {self.max_leases} leases already")
         if sum(lease.pid == pid for lease in self._leases.values()) >= self.max_leases_per_pid:
@@ -157,7 +163,9 @@ class LeaseTable:
         """Mark every lease on ``model`` as revoking at ``deadline`` (clock seconds)."""
         leases = self.for_model(model)
         for lease in leases:
-            lease.revoke_deadline = deadline
+            # A repeated revoke must not postpone the deadline already announced.
+            if lease.revoke_deadline is None or deadline < lease.revoke_deadline:
+                lease.revoke_deadline = deadline
         return leases
 
     def __len__(self) -> int:

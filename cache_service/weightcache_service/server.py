@@ -126,7 +126,11 @@ class DaemonConfig:
 
 def socket_tag(socket: str) -> str:
     """Short stable tag of a socket path, used in its daemons' segment names."""
-    return hashlib.sha256(os.path.realpath(socket).encode()).hexdigest()[:12]
+    # The folder is resolved, not the socket: a symlink planted at the socket path must
+    # not lend the daemon another socket's tag (and its segments to clean up).
+    folder, name = os.path.split(os.path.abspath(socket))
+    path = os.path.join(os.path.realpath(folder), name)
+    return hashlib.sha256(path.encode()).hexdigest()[:12]
 
 
 class Daemon:
@@ -147,6 +151,8 @@ class Daemon:
         self.service = WeightCacheService(
             self.store, leases or LeaseTable(), config.options, self.instance_id, self.backend
         )
+        # Until every start-up preload is registered, a miss may be a model about to load.
+        self.service.starting = bool(config.preload)
         self.health = health_aio.HealthServicer()
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
@@ -262,7 +268,11 @@ class Daemon:
                 tasks.append(task)
             except WeightCacheError as err:
                 log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
-        await asyncio.gather(*(asyncio.shield(task) for task in tasks))
+            except Exception as err:
+                # Never let one model stop the others or leave health NOT_SERVING forever.
+                log.exception("cannot preload", path=spec.path, error=repr(err))
+        self.service.starting = False
+        await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         entries = self.store.entries()
         ready = [e for e in entries if e.state == pb.MODEL_STATE_READY]

@@ -16,7 +16,7 @@ import structlog
 import torch
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from weightcache._checkpoint import Checkpoint, open_checkpoint
+from weightcache._checkpoint import INDEX_FILE, Checkpoint, open_checkpoint
 from weightcache._errors import (
     DrainingError,
     FingerprintMismatchError,
@@ -45,7 +45,7 @@ from weightcache_service.access import peer_is_local
 from weightcache_service.backend import Backend
 from weightcache_service.leases import Lease, LeaseTable
 from weightcache_service.status import to_grpc_status
-from weightcache_service.store import Entry, Store
+from weightcache_service.store import Entry, Store, clip
 
 log = structlog.get_logger("weightcache.daemon")
 
@@ -142,6 +142,7 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         self.instance_id = instance_id
         self.backend = backend
         self.draining = False
+        self.starting = False
         self.start_time = time.time()
         self._sessions: dict[int, asyncio.Queue[pb.KeepAliveResponse | None]] = {}
         self._loads: set[asyncio.Task[None]] = set()
@@ -155,17 +156,32 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
     # -- loading ---------------------------------------------------------------------
 
     async def begin_load(
-        self, path: str, recipe: Recipe, placement: Placement, level: Level
+        self,
+        path: str,
+        recipe: Recipe,
+        placement: Placement,
+        level: Level,
+        *,
+        confine: bool = False,
     ) -> tuple[Entry, asyncio.Task[None]]:
         """Validate and fingerprint a checkpoint (off the event loop), then start loading it.
 
+        Args:
+            confine: every file read must resolve inside a model root (remote Preload).
+
         Raises:
             InvalidCheckpointError: the checkpoint is malformed.
+            PermissionDeniedError: ``confine`` and a file resolves outside the roots.
             ModelExistsError: the fingerprint is already held.
         """
 
         def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
+            if confine:
+                self._check_inside(os.path.join(path, INDEX_FILE))
             checkpoint = open_checkpoint(path)
+            if confine:
+                for shard in checkpoint.shards:
+                    self._check_inside(str(shard.path))
             pipeline = recipe.build(checkpoint, placement)
             return checkpoint, pipeline, compute_fingerprint(checkpoint, pipeline, placement, level)
 
@@ -215,7 +231,7 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
                 raise InvalidArgumentError(
                     "unsupported fingerprint_level", metadata={"field": "fingerprint_level"}
                 )
-            entry, task = await self.begin_load(path, recipe, placement, level)
+            entry, task = await self.begin_load(path, recipe, placement, level, confine=True)
             while not task.done():
                 yield pb.PreloadResponse(
                     model=entry.name, state=entry.state, progress=_progress(entry)
@@ -257,13 +273,23 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         _check_len("path", path, MAX_PATH_CHARS)
         if not path or "\0" in path:
             raise InvalidArgumentError("path is empty or holds NUL", metadata={"field": "path"})
+        return self._check_inside(path)
+
+    def _check_inside(self, path: str) -> str:
+        """``path`` resolved with realpath, if it lies inside a model root (or is absent).
+
+        Raises:
+            PermissionDeniedError: it resolves outside every ``--model-root``.
+        """
         real = Path(os.path.realpath(path))
+        if not os.path.lexists(path) and os.path.basename(path) == INDEX_FILE:
+            return str(real)
         for root in self.options.model_roots:
             if real == root or root in real.parents:
                 return str(real)
         raise PermissionDeniedError(
-            f"{path} resolves to {real}, outside every --model-root",
-            metadata={"path": str(real)},
+            f"{clip(path)} resolves to {clip(str(real))}, outside every --model-root",
+            metadata={"path": clip(str(real))},
         )
 
     @_unary
@@ -294,6 +320,11 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         try:
             entry = self.store.find(request.fingerprint, request.checkpoint_path)
         except (FingerprintMismatchError, ModelNotFoundError) as err:
+            if self.starting:
+                raise ModelLoadingError(
+                    "the daemon is starting: its start-up models are not all registered yet",
+                    metadata={"bytes_done": "0", "bytes_total": "0"},
+                ) from None
             raise self._with_skew(err, request.environment) from None
         if entry.state != pb.MODEL_STATE_READY or entry.arena is None:
             raise ModelLoadingError(f"model {entry.name!r} is not ready")

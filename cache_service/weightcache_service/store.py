@@ -84,7 +84,9 @@ class Store:
         """
         entry = self._entries.get(name)
         if entry is None:
-            raise ModelNotFoundError(f"no model named {name!r}", metadata={"model": name})
+            raise ModelNotFoundError(
+                f"no model named {clip(name)!r}", metadata={"model": clip(name)}
+            )
         return entry
 
     def add(
@@ -149,16 +151,18 @@ class Store:
             with CheckpointReader(entry.checkpoint) as reader:
                 for slot in entry.slots:
                     self._load_tensor(entry, entry.arena, reader, slot)
+            entry.views = [slot.view() for slot in entry.slots]
         except WeightCacheError as exc:
             entry.failure = exc
-        except (OSError, RuntimeError) as exc:
-            entry.failure = ModelFailedError(f"{entry.name}: {exc}")
+        except Exception as exc:
+            # Plugin code and torch raise anything; whatever it is, the load has failed
+            # and must say so, not leave the model LOADING with its arena held.
+            entry.failure = ModelFailedError(f"{entry.name}: {type(exc).__name__}: {exc}")
         if entry.failure is not None:
             entry.error = str(entry.failure)
             entry.state = pb.MODEL_STATE_FAILED
             self._free(entry)
             return
-        entry.views = [slot.view() for slot in entry.slots]
         entry.load_seconds = time.monotonic() - start
         entry.state = pb.MODEL_STATE_READY
 
@@ -186,12 +190,13 @@ class Store:
                 lists what differs.
             ModelNotFoundError: nothing matches or resembles ``fp``.
         """
-        for entry in self._entries.values():
+        candidates = [e for e in self._entries.values() if e.state != pb.MODEL_STATE_EVICTING]
+        for entry in candidates:
             if entry.fingerprint.digest == fp.digest:
                 return _ready(entry)
         wanted = {c.name: c.digest for c in fp.components}
         best: tuple[int, Entry, list[str]] | None = None
-        for entry in self._entries.values():
+        for entry in candidates:
             mine = entry.fingerprint.components
             same_layout = mine.get("layout") == wanted.get("layout")
             if str(entry.checkpoint.root) != path and not same_layout:
@@ -201,8 +206,8 @@ class Store:
                 best = (len(differing), entry, differing)
         if best is None:
             raise ModelNotFoundError(
-                f"no held model matches fingerprint {fp.digest[:16]}… of {path}",
-                metadata={"path": path},
+                f"no held model matches fingerprint {fp.digest[:16]}… of {clip(path)}",
+                metadata={"path": clip(path)},
             )
         _, entry, differing = best
         raise FingerprintMismatchError(
@@ -236,6 +241,16 @@ class Store:
         if entry.arena is not None:
             entry.arena.close()
             entry.arena = None
+
+
+#: Characters of a request string echoed in an error: the status message and ErrorInfo
+#: travel in trailers, which gRPC limits to 8-16 KiB in all.
+ECHO_CHARS = 200
+
+
+def clip(text: str) -> str:
+    """``text`` cut to :data:`ECHO_CHARS` characters for an error message."""
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "…"
 
 
 def _ready(entry: Entry) -> Entry:

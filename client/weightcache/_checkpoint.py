@@ -33,6 +33,11 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000
 #: Largest index file accepted, in bytes.
 MAX_INDEX_BYTES = 100_000_000
+#: Most dimensions, and largest size of one, accepted: beyond them element counts and
+#: strides (even of a zero-size tensor) overflow the 64-bit integers torch uses.
+MAX_RANK = 16
+MAX_DIM = 2**40
+MAX_ELEMENTS = 2**60
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,7 @@ def _read_index(index: Path) -> dict[str, str]:
         raise InvalidCheckpointError(f"{index}: index larger than {MAX_INDEX_BYTES} bytes")
     try:
         doc = json.loads(index.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidCheckpointError(f"{index}: invalid JSON: {exc}") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
@@ -228,7 +233,7 @@ def read_shard_header(file: Path, name: str) -> ShardInfo:
         raw = fh.read(header_len)
     try:
         header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidCheckpointError(f"{name}: header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise InvalidCheckpointError(f"{name}: header is not a JSON object")
@@ -253,18 +258,37 @@ def _metadata(shard: str, raw: object) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
     ):
         raise InvalidCheckpointError(f"{shard}: __metadata__ must map strings to strings")
+    for text in (*raw.keys(), *raw.values()):
+        _check_text(shard, "__metadata__", text)
     return dict(raw)
 
 
+def _check_text(shard: str, what: str, text: str) -> None:
+    # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 encoder (protobuf's
+    # included) accepts: refuse it here rather than fail later in front of other clients.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidCheckpointError(f"{shard}: {what} is not valid Unicode") from None
+
+
 def _tensor_info(shard: str, key: str, entry: object, data_start: int) -> TensorInfo:
+    _check_text(shard, "a tensor name", key)
     where = f"{shard}: tensor {key!r}"
     if not isinstance(entry, dict):
         raise InvalidCheckpointError(f"{where}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
         raise InvalidCheckpointError(f"{where}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise InvalidCheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_RANK
+        or not all(_is_uint(d) and d <= MAX_DIM for d in shape)
+        or math.prod(d for d in shape if d) > MAX_ELEMENTS
+    ):
+        raise InvalidCheckpointError(
+            f"{where}: shape {shape!r} is not a list of at most {MAX_RANK} sizes up to {MAX_DIM}"
+        )
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2

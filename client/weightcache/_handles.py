@@ -159,7 +159,9 @@ def _check_path(path: str) -> None:
 
 def _open_regular(path: str) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: opening a FIFO planted at the path must not block; the type is
+        # checked right after.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise HandleError(f"{path}: cannot open shared memory: {exc.strerror}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -273,6 +273,15 @@ class _Registry:
 _registry = _Registry()
 
 
+def live_session(socket: str) -> KeepAliveSession | None:
+    """This process's running KeepAlive session to ``socket``, if any (never starts one)."""
+    with _registry.lock:
+        if _registry.pid != os.getpid():
+            return None
+        session = _registry.sessions.get(socket)
+        return session if session is not None and session.alive else None
+
+
 def session_for(socket: str, clock: Clock = time.monotonic) -> KeepAliveSession:
     """This process's live KeepAlive session to ``socket``, started if needed.
 

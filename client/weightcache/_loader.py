@@ -44,6 +44,7 @@ from weightcache._lease import (
     Policy,
     RevokePolicy,
     default_policy,
+    live_session,
     session_for,
 )
 from weightcache._pipeline import CheckpointReader, materialize
@@ -155,8 +156,11 @@ class LoadedWeights:
         lease, self.lease = self.lease, None
         if lease is None or self.socket is None:
             return
-        session_for(self.socket).remove(lease.lease_id)
-        release(self.socket, lease.lease_id)
+        session = live_session(self.socket)
+        if session is not None:
+            session.remove(lease.lease_id)
+        if lease.lost is None and not lease.revoked:
+            release(self.socket, lease.lease_id)
 
     def __enter__(self) -> LoadedWeights:
         return self
@@ -363,6 +367,10 @@ class _Attach:
         while True:
             try:
                 return check_socket(self.socket, self.trusted)
+            except PermissionError as exc:
+                raise DaemonUnavailableError(
+                    f"cannot reach the daemon socket {self.socket}: {exc.strerror}"
+                ) from None
             except FileNotFoundError:
                 if time.monotonic() + RETRY_INTERVAL > deadline:
                     raise DaemonUnavailableError(f"no daemon socket at {self.socket}") from None

@@ -73,4 +73,9 @@ class PluginStep:
         plugin = obj() if isinstance(obj, type) else obj
         if not isinstance(plugin, RecipePlugin):
             raise RecipeError(f"recipe plugin {self.name!r} lacks name, version or transform")
+        if plugin.name != self.name:
+            raise RecipeError(
+                f"entry point {self.name!r} provides a plugin named {plugin.name!r}; "
+                "the two must agree (the name is what operators allow and fingerprints hold)"
+            )
         return plugin

@@ -80,7 +80,9 @@ class Recipe:
         """
         plan = None
         if placement.tp_size > 1:
-            plan = self.tp_plan or TPPlan.from_transformers(checkpoint.root)
+            # An empty plan means "not given", on the wire and here alike.
+            has_rules = self.tp_plan is not None and self.tp_plan.rules
+            plan = self.tp_plan if has_rules else TPPlan.from_transformers(checkpoint.root)
         nodes = stored_nodes(checkpoint)
         if plan is not None:
             nodes = shard_nodes(nodes, plan, placement.tp_rank, placement.tp_size)
@@ -89,9 +91,12 @@ class Recipe:
             plugin = step.load()
             try:
                 nodes = plugin.transform(nodes, dict(step.params))
-            except (KeyError, ValueError, IndexError) as exc:
-                raise RecipeError(f"recipe plugin {step.name!r} failed: {exc}") from None
-            steps.append({"name": plugin.name, "version": plugin.version, "params": step.params})
+            except Exception as exc:
+                # Plugin code is not ours: whatever it raises, the recipe cannot apply.
+                raise RecipeError(
+                    f"recipe plugin {step.name!r} failed: {type(exc).__name__}: {exc}"
+                ) from None
+            steps.append({"name": step.name, "version": plugin.version, "params": step.params})
         if self.dtype is not None:
             nodes = {name: _cast(node, self.dtype) for name, node in nodes.items()}
         identity = {

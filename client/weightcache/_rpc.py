@@ -52,10 +52,16 @@ def connect(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
     """Open a channel to the daemon at ``socket`` (lazily: nothing is sent yet).
 
     Raises:
-        DaemonUnavailableError: no socket file exists at the path.
+        DaemonUnavailableError: no socket file exists at the path, or it cannot be reached.
     """
-    if not os.path.exists(socket):
-        raise DaemonUnavailableError(f"no daemon socket at {socket}")
+    try:
+        os.stat(socket)
+    except FileNotFoundError:
+        raise DaemonUnavailableError(f"no daemon socket at {socket}") from None
+    except PermissionError as exc:
+        raise DaemonUnavailableError(
+            f"cannot reach the daemon socket {socket}: {exc.strerror}"
+        ) from None
     channel = grpc.insecure_channel(
         target(socket), options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
     )
