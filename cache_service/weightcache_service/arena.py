@@ -67,6 +67,14 @@ class Slot:
         )
 
 
+def write_slot(base: torch.Tensor, slot: Slot, tensor: torch.Tensor) -> None:
+    """Copy ``tensor``'s bytes into ``slot`` of an arena held as 1-D ``uint8`` ``base``."""
+    if slot.nbytes == 0:
+        return
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+    base[slot.byte_offset : slot.byte_offset + slot.nbytes].copy_(raw)
+
+
 def align(offset: int) -> int:
     """``offset`` rounded up to the arena alignment (256 bytes)."""
     return -(-offset // ALIGNMENT) * ALIGNMENT
@@ -123,10 +131,7 @@ class SharedMemoryArena:
 
     def write(self, slot: Slot, tensor: torch.Tensor) -> None:
         """Copy ``tensor``'s bytes into its slot (dtype and shape must match the slot)."""
-        if slot.nbytes == 0:
-            return
-        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
-        self._base[slot.byte_offset : slot.byte_offset + slot.nbytes].copy_(raw)
+        write_slot(self._base, slot, tensor)
 
     def read_into(self, slot: Slot, fill: Callable[[memoryview], None]) -> None:
         """Let ``fill`` write the slot's bytes straight into shared memory (no copy)."""

@@ -15,7 +15,7 @@ import torch
 from weightcache._cuda import IPC_HANDLE_BYTES, device_tensor, device_uuid, runtime
 from weightcache._errors import CudaError, ResourceExhaustedError
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache_service.arena import Slot
+from weightcache_service.arena import Slot, write_slot
 
 
 class CudaArena:
@@ -34,23 +34,26 @@ class CudaArena:
         self.index = index
         self.uuid = device_uuid(index)
         rt = runtime()
-        rt.set_device(index)
-        try:
-            self._ptr = rt.malloc(size)
-        except CudaError as exc:
-            raise ResourceExhaustedError(
-                f"cannot allocate {size} bytes on cuda:{index}: {exc}"
-            ) from None
-        self._handle = rt.ipc_get_handle(self._ptr)
-        assert len(self._handle) == IPC_HANDLE_BYTES
-        self._base = device_tensor(self._ptr, size, index)
+        with torch.cuda.device(index):
+            rt.set_device(index)
+            try:
+                self._ptr = rt.malloc(size)
+            except CudaError as exc:
+                raise ResourceExhaustedError(
+                    f"cannot allocate {size} bytes on cuda:{index}: {exc}"
+                ) from None
+            try:
+                self._handle = rt.ipc_get_handle(self._ptr)
+                if len(self._handle) != IPC_HANDLE_BYTES:
+                    raise CudaError(f"the runtime gave a {len(self._handle)}-byte IPC handle")
+                self._base = device_tensor(self._ptr, size, index)
+            except CudaError:
+                rt.free(self._ptr)
+                raise
 
     def write(self, slot: Slot, tensor: torch.Tensor) -> None:
         """Copy ``tensor``'s bytes (on any device) into its slot."""
-        if slot.nbytes == 0:
-            return
-        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
-        self._base[slot.byte_offset : slot.byte_offset + slot.nbytes].copy_(raw)
+        write_slot(self._base, slot, tensor)
 
     def read_into(self, slot: Slot, fill: Callable[[memoryview], None]) -> None:
         """Let ``fill`` write the slot's bytes into a pinned host buffer, then copy it up."""
@@ -58,7 +61,7 @@ class CudaArena:
             return
         staging = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=True)
         fill(staging.numpy().data)
-        self._base[slot.byte_offset : slot.byte_offset + slot.nbytes].copy_(staging)
+        write_slot(self._base, slot, staging)
 
     def handle(self) -> pb.StorageHandle:
         """The wire handle: device UUID, the raw 64-byte IPC handle, size."""
