@@ -40,10 +40,11 @@ def test_health_serving(daemon: Daemon) -> None:
 
 
 def test_health_without_daemon_fails(module_daemons: DaemonPool) -> None:
-    result = run_cli("health", "--socket", module_daemons.socket("absent"), "--timeout", "2")
+    socket = module_daemons.socket("absent")
+    result = run_cli("health", "--socket", socket, "--timeout", "2")
 
     assert (result.returncode, result.stdout) == (1, "")
-    assert "not serving: UNAVAILABLE" in result.stderr
+    assert result.stderr == f"weightcache health: no daemon socket at {socket}\n"
 
 
 def test_ls_lists_model_state_and_leases(

@@ -125,7 +125,7 @@ REFUSALS: dict[str, RefusalCase] = {
     "folder-of-another-user": RefusalCase("belongs to uid 65534, not us", needs_root=True),
     "folder-group-writable": RefusalCase("is writable by others (mode 770)"),
     "folder-world-writable": RefusalCase("is writable by others (mode 1777)"),
-    "lock-file-is-symlink": RefusalCase("Too many levels of symbolic links"),
+    "lock-file-is-symlink": RefusalCase("exists and is not a daemon's socket or lock file"),
     "insecure-tcp-not-loopback": RefusalCase("--insecure TCP only on loopback, not 0.0.0.0"),
     "tcp-without-tls": RefusalCase("--listen needs --tls-cert and --tls-key"),
 }

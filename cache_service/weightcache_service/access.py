@@ -13,6 +13,7 @@ import grp
 import ipaddress
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -93,6 +94,19 @@ class Access:
                 f"socket folder {folder} is writable by others (mode "
                 f"{stat.S_IMODE(info.st_mode):o}); use a folder only the daemon can write"
             )
+        # Never remove or truncate a file that is not ours to replace. A stale socket, or a
+        # symlink planted at its path (unlinking removes the link, never its target), is.
+        self._check_replaceable(socket, lambda m: stat.S_ISSOCK(m) or stat.S_ISLNK(m))
+        self._check_replaceable(socket + ".lock", stat.S_ISREG)
+
+    @staticmethod
+    def _check_replaceable(path: str, kind: Callable[[int], bool]) -> None:
+        try:
+            found = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not kind(found.st_mode) or found.st_uid != os.geteuid():
+            raise AccessError(f"{path} exists and is not a daemon's socket or lock file")
 
     def secure_path(self, path: str, mode: int) -> None:
         """Set ``mode`` and, with a group, the group of a socket or segment."""

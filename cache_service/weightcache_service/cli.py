@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -63,18 +64,22 @@ def configure_logging(fmt: str = "console") -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightcache", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="weightcache",
+        description="Serve preloaded model weights to workers (preload), and look after the "
+        "daemon (health, ls, info, evict).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     daemon = sub.add_parser("preload", help="run the daemon, preloading checkpoints")
     daemon.add_argument("models", nargs="*", metavar="MODEL_DIR")
-    daemon.add_argument("--socket", default=None)
+    daemon.add_argument("--socket", default=None, help="Unix socket (default: per device)")
     daemon.add_argument(
         "--device",
         default="cpu",
         help="cpu (shared memory), or cuda:N / a GPU UUID (CUDA IPC, one daemon per GPU)",
     )
-    daemon.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32")
+    daemon.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32, F64")
     daemon.add_argument("--tp-size", type=int, default=1, help="tensor-parallel world size")
     daemon.add_argument(
         "--tp-rank",
@@ -132,8 +137,8 @@ def _parser() -> argparse.ArgumentParser:
         ("info", "daemon versions and memory"),
     ):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--socket", default=None)
-        cmd.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+        cmd.add_argument("--socket", default=None, help="the daemon's Unix socket")
+        cmd.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per RPC")
     evict = sub.add_parser("evict", help="drop a model")
     evict.add_argument("name")
     evict.add_argument("--force", action="store_true")
@@ -186,6 +191,15 @@ def _preload(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_format)
     level = args.fingerprint_level
+    if args.drain_timeout < 0:
+        print("weightcache preload: --drain-timeout must not be negative", file=sys.stderr)
+        return EXIT_USAGE
+    if args.allow_remote_preload and not args.model_root:
+        print(
+            "weightcache preload: --allow-remote-preload needs at least one --model-root",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     try:
         max_bytes, percent = parse_size(args.max_memory) if args.max_memory else (None, None)
         headroom, headroom_percent = parse_size(args.headroom)
@@ -265,6 +279,9 @@ def parse_ranks(texts: list[str], size: int) -> list[int]:
 
 
 def _health(socket: str, timeout: float) -> int:
+    if not os.path.exists(socket):
+        print(f"weightcache health: no daemon socket at {socket}", file=sys.stderr)
+        return EXIT_FAILURE
     try:
         with grpc.insecure_channel(target(socket)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from weightcache._errors import WeightCacheError
+from weightcache._errors import ModelExistsError, WeightCacheError
 from weightcache._fingerprint import Level
 from weightcache._recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -260,27 +260,33 @@ class Daemon:
     async def _preload_startup(self) -> None:
         cfg = self.config
         tasks = []
+        refused = 0
         for spec in cfg.preload:
             try:
                 _, task = await self.service.begin_load(
                     spec.path, spec.recipe, spec.placement, spec.fingerprint_level
                 )
                 tasks.append(task)
+            except ModelExistsError as err:
+                log.warning("already held", path=spec.path, error=err.detail)
             except WeightCacheError as err:
+                refused += 1
                 log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
             except Exception as err:
                 # Never let one model stop the others or leave health NOT_SERVING forever.
+                refused += 1
                 log.exception("cannot preload", path=spec.path, error=repr(err))
         self.service.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         entries = self.store.entries()
         ready = [e for e in entries if e.state == pb.MODEL_STATE_READY]
-        log.info(
+        failed = refused + len(entries) - len(ready)
+        (log.error if failed else log.info)(
             "ready",
             socket=cfg.socket,
             models=len(ready),
-            failed=len(entries) - len(ready),
+            failed=failed,
             bytes=self.store.held_bytes(),
         )
 

@@ -431,7 +431,7 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         if holders and not request.force:
             raise LeasesActiveError(
                 f"model {entry.name!r} has {len(holders)} live lease(s); release them or "
-                "evict with force",
+                "evict with force (weightcache evict --force)",
                 metadata={"model": entry.name, "leases": str(len(holders))},
             )
         snapshot = self._model_pb(entry)

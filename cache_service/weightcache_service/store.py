@@ -210,8 +210,13 @@ class Store:
                 metadata={"path": clip(path)},
             )
         _, entry, differing = best
+        dtype = entry.recipe.dtype or "as stored"
+        held = (
+            f"fingerprint level {entry.fingerprint.level}, dtype {dtype}, "
+            f"tp rank {entry.placement.tp_rank} of {entry.placement.tp_size}"
+        )
         raise FingerprintMismatchError(
-            f"held model {entry.name!r} differs in {', '.join(differing)}",
+            f"held model {entry.name!r} ({held}) differs in {', '.join(differing)}",
             metadata={"model": entry.name, "components": ",".join(differing)},
         )
 

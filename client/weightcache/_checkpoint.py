@@ -224,7 +224,8 @@ def read_shard_header(file: Path, name: str) -> ShardInfo:
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > MAX_HEADER_BYTES:
             raise InvalidCheckpointError(
-                f"{name}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
+                f"{name}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit "
+                "(is it a safetensors file?)"
             )
         if 8 + header_len > size:
             raise InvalidCheckpointError(

@@ -101,7 +101,8 @@ class TPPlan:
             model_type = config["model_type"]
         except (OSError, ValueError, KeyError, TypeError):
             raise RecipeError(
-                f"{checkpoint_root}: no config.json with a model_type; give a plan file"
+                f"{checkpoint_root}: no config.json with a model_type; give a tensor-parallel "
+                "plan (--tp-plan FILE, or Recipe(tp_plan=...))"
             ) from None
         try:
             from transformers import AutoConfig
@@ -113,7 +114,10 @@ class TPPlan:
             raise RecipeError(f"transformers does not know model_type {model_type!r}") from None
         plan = getattr(config_class, "base_model_tp_plan", None)
         if not plan:
-            raise RecipeError(f"{config_class.__name__} has no base_model_tp_plan; give a file")
+            raise RecipeError(
+                f"{config_class.__name__} has no base_model_tp_plan; give a tensor-parallel "
+                "plan (--tp-plan FILE, or Recipe(tp_plan=...))"
+            )
         return cls.from_mapping(plan)
 
     def identity(self) -> list[list[str]]:
