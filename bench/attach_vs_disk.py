@@ -18,27 +18,24 @@ matter. See bench/README.md for recorded results.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import random
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
-from daemon_proc import DaemonError, DaemonProcess
+from daemon_proc import DaemonProcess, run_child, run_with_daemon
 
 WORKER = Path(__file__).with_name("attach_worker.py")
 MODES = ("attach", "copy", "disk", "fingerprint")
@@ -143,6 +140,49 @@ def write_checkpoint(folder: Path, specs: list[Spec], shards: int, seed: int) ->
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
+def new_checkpoint(tmp: Path, tensors: int, total_bytes: int, seed: int) -> tuple[Path, list[Spec]]:
+    """Make the empty folder ``tmp/checkpoint`` and plan its tensors (nothing written yet)."""
+    folder = tmp / "checkpoint"
+    folder.mkdir()
+    return folder, plan_tensors(tensors, total_bytes, seed)
+
+
+def generate_and_preload(
+    folder: Path,
+    specs: list[Spec],
+    args: argparse.Namespace,
+    daemon: DaemonProcess,
+    models: list[str],
+    timeout: float,
+) -> None:
+    """Write the checkpoint, start the daemon on ``models``; print how long each took."""
+    begin = time.monotonic()
+    write_checkpoint(folder, specs, args.shards, args.seed)
+    print(f"  generated in {time.monotonic() - begin:.1f} s", end="; ", flush=True)
+    daemon.models = models
+    print(f"daemon preloaded it and was healthy after {daemon.start(timeout=timeout):.1f} s")
+
+
+def machine_line(with_torch: bool = True) -> str:
+    """``  machine: N CPUs, Linux R, python V[, torch T]``, for the headers."""
+    line = (
+        f"  machine: {os.cpu_count()} CPUs, Linux {platform.release()}, "
+        f"python {platform.python_version()}"
+    )
+    return f"{line}, torch {torch.__version__}" if with_torch else line
+
+
+def print_header(title: str, specs: list[Spec], shards: int, folder: Path, unit: str) -> None:
+    """The title, the machine and the checkpoint, its size in ``unit`` (GiB or MiB)."""
+    total = sum(s.nbytes for s in specs)
+    size = f"{total / 2**30:.2f} GiB" if unit == "GiB" else f"{total / 2**20:.1f} MiB"
+    dtypes = ", ".join(f"{d} {n}" for d, n in sorted(Counter(s.dtype for s in specs).items()))
+    print(title)
+    print(machine_line())
+    print(f"  checkpoint: {size}, {len(specs)} tensors ({dtypes}),")
+    print(f"              {shards} shards + model.safetensors.index.json, in {folder}")
+
+
 def drop_caches() -> None:
     """Write back dirty pages and drop the page cache (needs root and a writable /proc/sys).
 
@@ -165,12 +205,7 @@ def run_worker(mode: str, model: Path, socket: str, out: Path) -> dict[str, Any]
     """
     command = [sys.executable, str(WORKER), mode, str(model), "--socket", socket]
     command += ["--out", str(out)]
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=WORKER_TIMEOUT, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"{mode} worker ran over {WORKER_TIMEOUT:.0f} s") from None
+    done = run_child(command, mode, WORKER_TIMEOUT, BenchError)
     if done.returncode != 0:
         raise BenchError(f"{mode} worker exited {done.returncode}:\n{done.stdout}{done.stderr}")
     result: dict[str, Any] = json.loads(out.read_text())
@@ -225,15 +260,8 @@ def print_results(seconds: dict[str, list[float]]) -> None:
 
 def print_setup(specs: list[Spec], shards: int, folder: Path, args: argparse.Namespace) -> None:
     """Machine, checkpoint and method, before the measurements."""
-    total = sum(s.nbytes for s in specs)
-    dtypes = ", ".join(f"{d} {n}" for d, n in sorted(Counter(s.dtype for s in specs).items()))
-    print("weightcache benchmark: time to weights-ready, attach vs copy vs disk")
-    print(
-        f"  machine: {os.cpu_count()} CPUs, Linux {platform.release()}, "
-        f"python {platform.python_version()}, torch {torch.__version__}"
-    )
-    print(f"  checkpoint: {total / 2**30:.2f} GiB, {len(specs)} tensors ({dtypes}),")
-    print(f"              {shards} shards + model.safetensors.index.json, in {folder}")
+    title = "weightcache benchmark: time to weights-ready, attach vs copy vs disk"
+    print_header(title, specs, shards, folder, "GiB")
     if args.drop_caches:
         print("  page cache: COLD, dropped (echo 3 > /proc/sys/vm/drop_caches) before every run")
     else:
@@ -259,19 +287,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> None:
-    """Steps 1-4 of the module docstring."""
+def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> bool:
+    """Steps 1-4 of the module docstring; True once done (a failure raises)."""
     if args.drop_caches:
         drop_caches()  # fail before spending minutes generating
-    folder = tmp / "checkpoint"
-    folder.mkdir()
-    specs = plan_tensors(args.tensors, int(args.size_gib * 2**30), args.seed)
+    folder, specs = new_checkpoint(tmp, args.tensors, int(args.size_gib * 2**30), args.seed)
     print_setup(specs, args.shards, folder, args)
-    begin = time.monotonic()
-    write_checkpoint(folder, specs, args.shards, args.seed)
-    print(f"  generated in {time.monotonic() - begin:.1f} s", end="; ", flush=True)
-    daemon.models = [str(folder)]
-    print(f"daemon preloaded it and was healthy after {daemon.start(timeout=900):.1f} s")
+    generate_and_preload(folder, specs, args, daemon, [str(folder)], timeout=900)
     print()
     seconds = measure(
         folder,
@@ -282,30 +304,14 @@ def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> Non
         expected=len(specs),
     )
     print_results(seconds)
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)
+    return True
 
 
 def main() -> int:
     """Run the benchmark; returns the exit status."""
     args = parse_args()
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    tmp = Path(tempfile.mkdtemp(prefix="wcbench-", dir="/tmp"))
-    daemon = DaemonProcess([], str(tmp / "cpu.sock"), tmp / "daemon.log")
-    ok = clean = False
-    try:
-        run_bench(args, tmp, daemon)
-        ok = True
-    except (BenchError, DaemonError) as err:
-        print(f"FAILED: {err}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-    finally:
-        clean = daemon.stop_and_check(show_log=not ok)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return 0 if ok and clean else 1
+    ok = run_with_daemon("wcbench-", "cpu.sock", functools.partial(run_bench, args), (BenchError,))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -32,24 +32,27 @@ read by the daemon): their best case.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
-import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attach_vs_disk import BenchError, fmt_seconds, plan_tensors, write_checkpoint
-from daemon_proc import DaemonError, DaemonProcess
+from attach_vs_disk import (
+    BenchError,
+    fmt_seconds,
+    generate_and_preload,
+    machine_line,
+    new_checkpoint,
+)
+from daemon_proc import DaemonProcess, run_child, run_with_daemon
 
 MODES = ("attach", "copy", "disk", "safetensors")
 TIMED = {
@@ -154,12 +157,7 @@ def run_worker(mode: str, model: Path, socket: str, device: str) -> dict[str, An
     """
     command = [sys.executable, __file__, "--worker", mode, str(model), "--socket", socket]
     command += ["--device", device]
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=WORKER_TIMEOUT, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"{mode} worker ran over {WORKER_TIMEOUT:.0f} s") from None
+    done = run_child(command, mode, WORKER_TIMEOUT, BenchError)
     if done.returncode != 0:
         raise BenchError(f"{mode} worker exited {done.returncode}:\n{done.stdout}{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
@@ -245,27 +243,21 @@ def describe_device(device: torch.device) -> str:
     return f"{name} ({device_uuid(index)}), torch {torch.__version__}, {runtime}{driver}"
 
 
-def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> None:
-    """Steps 1-5 of the module docstring."""
+def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> bool:
+    """Steps 1-5 of the module docstring; True once done (a failure raises)."""
     device = torch.device(args.device)
-    folder = tmp / "checkpoint"
-    folder.mkdir()
-    specs = plan_tensors(args.tensors, int(args.size_gib * 2**30), args.seed)
+    folder, specs = new_checkpoint(tmp, args.tensors, int(args.size_gib * 2**30), args.seed)
     total = sum(s.nbytes for s in specs)
     print("weightcache GPU benchmark: time to weights-ready, attach vs copy vs disk")
-    print(f"  machine: {os.cpu_count()} CPUs, Linux {platform.release()}, ", end="")
-    print(f"python {platform.python_version()}")
+    print(machine_line(with_torch=False))
     print(f"  device: {args.device} = {describe_device(device)}")
     print(f"  checkpoint: {total / 2**30:.2f} GiB, {len(specs)} tensors, {args.shards} shards")
     print("  page cache: WARM for disk and safetensors (files just written, daemon read them)")
     print(f"  runs: {args.repeat} per mode, modes interleaved, each in a fresh process")
-    begin = time.monotonic()
-    write_checkpoint(folder, specs, args.shards, args.seed)
-    print(f"  generated in {time.monotonic() - begin:.1f} s", end="; ", flush=True)
     # DaemonProcess passes its "models" to `weightcache preload` as they are: the device
     # flag rides along with the folder.
-    daemon.models = [str(folder), "--device", args.device]
-    print(f"daemon preloaded it and was healthy after {daemon.start(timeout=1800):.1f} s")
+    models = [str(folder), "--device", args.device]
+    generate_and_preload(folder, specs, args, daemon, models, timeout=1800)
     checked = run_worker("verify", folder, daemon.socket, args.device)
     check_verify(checked, len(specs))
     print(
@@ -275,6 +267,7 @@ def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> Non
     print()
     seconds = measure(folder, daemon.socket, args.device, repeat=args.repeat, expected=len(specs))
     print_results(seconds)
+    return True
 
 
 def parse_args() -> argparse.Namespace:
@@ -299,10 +292,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)
-
-
 def main() -> int:
     """Run the benchmark (or, with ``--worker``, one timed load); returns the exit status."""
     args = parse_args()
@@ -315,21 +304,8 @@ def main() -> int:
     if int(args.device[5:]) >= torch.cuda.device_count():
         print(f"--device {args.device}: only {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    tmp = Path(tempfile.mkdtemp(prefix="wcgpubench-", dir="/tmp"))
-    daemon = DaemonProcess([], str(tmp / "gpu.sock"), tmp / "daemon.log")
-    ok = clean = False
-    try:
-        run_bench(args, tmp, daemon)
-        ok = True
-    except (BenchError, DaemonError) as err:
-        print(f"FAILED: {err}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-    finally:
-        clean = daemon.stop_and_check(show_log=not ok)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return 0 if ok and clean else 1
+    body = functools.partial(run_bench, args)
+    return 0 if run_with_daemon("wcgpubench-", "gpu.sock", body, (BenchError,)) else 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 The daemon is started as ``sys.executable -m weightcache_service.cli`` (no PATH needed), in
 its own session so that a Ctrl-C in the terminal reaches only the parent, which then stops
 it with SIGTERM. Its stdout and stderr go to a log file, shown only when something fails.
+
+:func:`run_with_daemon` is the frame of every script here (a temporary folder, a daemon in
+it, stopped and checked and the folder removed whatever happens); :func:`run_child` runs a
+worker in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -10,11 +14,15 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from weightcache_service.arena import SEGMENT_PREFIX, SHM_DIR
 from weightcache_service.server import socket_tag
@@ -165,3 +173,65 @@ class DaemonProcess:
         except FileNotFoundError:
             return "(no log)"
         return text[-LOG_TAIL_CHARS:]
+
+
+def run_child(
+    command: list[str], what: str, timeout: float, error: type[Exception]
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` to completion, its stdout and stderr captured as text.
+
+    Args:
+        command: the command line.
+        what: the worker's name in the timeout message (``<what> worker ran over N s``).
+        timeout: seconds it may take.
+        error: the exception class raised when it runs over ``timeout``.
+
+    Returns:
+        The finished process, whatever its exit status.
+    """
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise error(f"{what} worker ran over {timeout:.0f} s") from None
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)
+
+
+def run_with_daemon(
+    prefix: str,
+    socket_name: str,
+    body: Callable[[Path, DaemonProcess], bool],
+    errors: tuple[type[Exception], ...] = (),
+) -> bool:
+    """Run ``body(tmp, daemon)`` with a fresh folder under /tmp and a daemon not yet started.
+
+    SIGTERM becomes ``SystemExit``; a :class:`DaemonError` or one of ``errors`` is printed as
+    ``FAILED: ...`` and a Ctrl-C as ``interrupted`` (to stderr). Whatever happens, the daemon
+    is stopped and checked (:meth:`DaemonProcess.stop_and_check`, its log shown unless the
+    body succeeded) and the folder removed.
+
+    Args:
+        prefix: of the temporary folder's name.
+        socket_name: the daemon's socket, in that folder.
+        body: sets ``daemon.models``, starts it and does the work; returns whether it passed.
+        errors: exceptions that end the body with a message rather than a traceback.
+
+    Returns:
+        True when the body returned True and the daemon stopped cleanly.
+    """
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    daemon = DaemonProcess([], str(tmp / socket_name), tmp / "daemon.log")
+    ok = clean = False
+    try:
+        ok = body(tmp, daemon)
+    except (DaemonError, *errors) as err:
+        print(f"FAILED: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+    finally:
+        clean = daemon.stop_and_check(show_log=not ok)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ok and clean

