@@ -152,6 +152,7 @@ def generate_and_preload(
     specs: list[Spec],
     args: argparse.Namespace,
     daemon: DaemonProcess,
+    *,
     models: list[str],
     timeout: float,
 ) -> None:
@@ -241,21 +242,33 @@ def fmt_seconds(value: float) -> str:
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def print_results(seconds: dict[str, list[float]]) -> None:
-    """Median and min per mode, and the disk median over each median."""
+def print_table(
+    seconds: dict[str, list[float]], timed: dict[str, str], width: int, note: tuple[str, str]
+) -> None:
+    """Median and min per mode (the keys of ``timed``, in order), the disk median over each
+    median, then the two lines of ``note`` and what each mode timed; modes ``width`` wide."""
     disk = statistics.median(seconds["disk"])
-    print(f"  {'mode':<12}{'median':>10}{'min':>10}{'disk / this (medians)':>25}")
-    for mode in MODES:
+    print(f"  {'mode':<{width}}{'median':>10}{'min':>10}{'disk / this (medians)':>25}")
+    for mode in timed:
         median = statistics.median(seconds[mode])
         print(
-            f"  {mode:<12}{fmt_seconds(median):>10}{fmt_seconds(min(seconds[mode])):>10}"
+            f"  {mode:<{width}}{fmt_seconds(median):>10}{fmt_seconds(min(seconds[mode])):>10}"
             f"{disk / median:>24.1f}x"
         )
     print()
-    print("  timed, in each worker after its imports (interpreter start, imports and")
-    print("  close() of the lease are not):")
-    for mode in MODES:
-        print(f"    {mode:<12}{TIMED[mode]}")
+    for line in note:
+        print(line)
+    for mode, what in timed.items():
+        print(f"    {mode:<{width}}{what}")
+
+
+def print_results(seconds: dict[str, list[float]]) -> None:
+    """Median and min per mode, and the disk median over each median."""
+    note = (
+        "  timed, in each worker after its imports (interpreter start, imports and",
+        "  close() of the lease are not):",
+    )
+    print_table(seconds, TIMED, 12, note)
 
 
 def print_setup(specs: list[Spec], shards: int, folder: Path, args: argparse.Namespace) -> None:
@@ -293,7 +306,7 @@ def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> boo
         drop_caches()  # fail before spending minutes generating
     folder, specs = new_checkpoint(tmp, args.tensors, int(args.size_gib * 2**30), args.seed)
     print_setup(specs, args.shards, folder, args)
-    generate_and_preload(folder, specs, args, daemon, [str(folder)], timeout=900)
+    generate_and_preload(folder, specs, args, daemon, models=[str(folder)], timeout=900)
     print()
     seconds = measure(
         folder,

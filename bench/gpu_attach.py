@@ -35,7 +35,6 @@ import argparse
 import functools
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -47,10 +46,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attach_vs_disk import (
     BenchError,
-    fmt_seconds,
     generate_and_preload,
     machine_line,
     new_checkpoint,
+    print_table,
 )
 from daemon_proc import DaemonProcess, run_child, run_with_daemon
 
@@ -206,19 +205,11 @@ def measure(
 
 def print_results(seconds: dict[str, list[float]]) -> None:
     """Median and min per mode, and the disk median over each median."""
-    disk = statistics.median(seconds["disk"])
-    print(f"  {'mode':<13}{'median':>10}{'min':>10}{'disk / this (medians)':>25}")
-    for mode in MODES:
-        median = statistics.median(seconds[mode])
-        print(
-            f"  {mode:<13}{fmt_seconds(median):>10}{fmt_seconds(min(seconds[mode])):>10}"
-            f"{disk / median:>24.1f}x"
-        )
-    print()
-    print("  timed, in each worker after its imports and its CUDA context (interpreter")
-    print("  start, imports, context creation and close() of the lease are not):")
-    for mode in MODES:
-        print(f"    {mode:<13}{TIMED[mode]}")
+    note = (
+        "  timed, in each worker after its imports and its CUDA context (interpreter",
+        "  start, imports, context creation and close() of the lease are not):",
+    )
+    print_table(seconds, TIMED, 13, note)
 
 
 def describe_device(device: torch.device) -> str:
@@ -257,7 +248,7 @@ def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> boo
     # DaemonProcess passes its "models" to `weightcache preload` as they are: the device
     # flag rides along with the folder.
     models = [str(folder), "--device", args.device]
-    generate_and_preload(folder, specs, args, daemon, models, timeout=1800)
+    generate_and_preload(folder, specs, args, daemon, models=models, timeout=1800)
     checked = run_worker("verify", folder, daemon.socket, args.device)
     check_verify(checked, len(specs))
     print(

@@ -40,22 +40,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
-import platform
 import queue
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import IO, Any
 
 import grpc
 import torch
@@ -102,15 +100,21 @@ def checksum(tensor: torch.Tensor) -> int:
 
 
 @dataclass
-class Phase:
-    """What one worker counted during one phase (warm-up or the measured run)."""
+class Counts:
+    """Cycles, mismatches, errors by kind (and a few of their messages), slowest cycle."""
 
     cycles: int = 0
     mismatches: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     messages: list[str] = field(default_factory=list)
-    seconds: float = 0.0
     max_cycle: float = 0.0
+
+
+@dataclass
+class Phase(Counts):
+    """What one worker counted during one phase (warm-up or the measured run)."""
+
+    seconds: float = 0.0
 
     def error(self, kind: str, message: str) -> None:
         """Count one error of ``kind``; keep its message if few are kept yet."""
@@ -506,14 +510,9 @@ def print_delta(a: Sample, b: Sample) -> None:
 
 
 @dataclass
-class Totals:
+class Totals(Counts):
     """Sums over the workers of one phase's reports."""
 
-    cycles: int = 0
-    mismatches: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
-    messages: list[str] = field(default_factory=list)
-    max_cycle: float = 0.0
     per_worker: list[int] = field(default_factory=list)
 
     def add(self, report: dict[str, Any]) -> None:
@@ -567,15 +566,10 @@ def expected_checksums(folder: Path) -> dict[str, int]:
 
 def print_setup(args: argparse.Namespace, specs: list[Any], folder: Path) -> None:
     """Machine, checkpoint and method, before the measurements."""
-    total = sum(s.nbytes for s in specs)
-    dtypes = ", ".join(f"{d} {n}" for d, n in sorted(Counter(s.dtype for s in specs).items()))
-    print("weightcache soak: one daemon, workers cycling attach -> checksum -> release")
-    print(
-        f"  machine: {os.cpu_count()} CPUs, Linux {platform.release()}, "
-        f"python {platform.python_version()}, torch {torch.__version__}"
-    )
-    print(f"  checkpoint: {total / 2**20:.1f} MiB, {len(specs)} tensors ({dtypes}),")
-    print(f"              {args.shards} shards + model.safetensors.index.json, in {folder}")
+    from attach_vs_disk import print_header
+
+    title = "weightcache soak: one daemon, workers cycling attach -> checksum -> release"
+    print_header(title, specs, args.shards, folder, "MiB")
     print(
         f"  workers: {args.workers}, each cycling load(zero_copy) -> checksum of "
         f"{CHECKED_PER_CYCLE} tensors -> close()"
@@ -599,9 +593,7 @@ def run_soak(args: argparse.Namespace, tmp: Path, daemon: Any) -> bool:
     """Steps 1-6 of the module docstring; returns whether every check passed."""
     import attach_vs_disk as avd
 
-    folder = tmp / "checkpoint"
-    folder.mkdir()
-    specs = avd.plan_tensors(args.tensors, int(args.size_mib * 2**20), args.seed)
+    folder, specs = avd.new_checkpoint(tmp, args.tensors, int(args.size_mib * 2**20), args.seed)
     print_setup(args, specs, folder)
     avd.write_checkpoint(folder, specs, args.shards, args.seed)
     expected = expected_checksums(folder)
@@ -715,32 +707,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)
-
-
 def main() -> int:
     """Run the soak (or, with ``--worker``, one worker); returns the exit status."""
     args = parse_args()
     if args.worker:
         return worker_main(args.worker, args.socket, args.expected)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
-    from daemon_proc import DaemonError, DaemonProcess
+    from daemon_proc import run_with_daemon
 
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    tmp = Path(tempfile.mkdtemp(prefix="wcsoak-", dir="/tmp"))
-    daemon = DaemonProcess([], str(tmp / "cpu.sock"), tmp / "daemon.log")
-    ok = clean = False
-    try:
-        ok = run_soak(args, tmp, daemon)
-    except (SoakError, DaemonError) as err:
-        print(f"FAILED: {err}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-    finally:
-        clean = daemon.stop_and_check(show_log=not ok)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return 0 if ok and clean else 1
+    ok = run_with_daemon("wcsoak-", "cpu.sock", functools.partial(run_soak, args), (SoakError,))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

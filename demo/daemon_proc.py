@@ -224,10 +224,11 @@ def run_with_daemon(
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     daemon = DaemonProcess([], str(tmp / socket_name), tmp / "daemon.log")
+    expected: tuple[type[Exception], ...] = (DaemonError, *errors)
     ok = clean = False
     try:
         ok = body(tmp, daemon)
-    except (DaemonError, *errors) as err:
+    except expected as err:
         print(f"FAILED: {err}", file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
