@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_support import Children, Zygote, zygote_for
 from tests.support import Checkpoints, DaemonPool, WorkerPool, make_checkpoints, short_tempdir
 
 
@@ -40,5 +41,19 @@ def module_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonP
 def workers(daemons: DaemonPool, tmp_path: Path) -> Iterator[WorkerPool]:
     """Start worker processes; ended after the test, before its daemons stop."""
     pool = WorkerPool(tmp_path)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    with zygote_for(tmp_path_factory.mktemp("zygote")) as forker:
+        yield forker
+
+
+@pytest.fixture
+def children(daemons: DaemonPool, zygote: Zygote, tmp_path: Path) -> Iterator[Children]:
+    """Forked workers of one test; ended (leases released) before its daemons stop."""
+    pool = Children(zygote, daemons.sock_dir, tmp_path)
     yield pool
     pool.close()

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,18 @@ import grpc
 import torch
 from safetensors.torch import save_file
 
-from tests.fault_worker import tensor_digest
-from tests.support import METADATA, SINGLE_FILE, STOP_TIMEOUT, child_env, service_stub
+from tests.support import (
+    METADATA,
+    SINGLE_FILE,
+    STOP_TIMEOUT,
+    Daemon,
+    DaemonPool,
+    child_env,
+    next_event,
+    next_reply,
+    service_stub,
+)
+from tests.worker_common import tensor_digest
 from weightcache._checkpoint import open_checkpoint
 from weightcache._fingerprint import Level, compute_fingerprint
 from weightcache._loader import _acquire_request
@@ -33,6 +43,9 @@ from weightcache._recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 ZYGOTE_SCRIPT = Path(__file__).resolve().parent / "fault_worker.py"
+#: Seconds a daemon may take to become ready (:func:`start_ready`); generous: the machine is
+#: shared and loaded.
+DAEMON_READY = 120.0
 #: Seconds the zygote may take to import torch and answer its first command.
 ZYGOTE_TIMEOUT = 120.0
 #: Seconds a worker may take to answer one command.
@@ -117,12 +130,7 @@ class Child:
     def reply(self, op: str, timeout: float = CHILD_TIMEOUT) -> dict[str, Any]:
         """The reply to the command ``op`` sent last (events that come first are kept)."""
         deadline = time.monotonic() + timeout
-        while True:
-            message = self.read_message(deadline)
-            if "reply" in message:
-                assert message["reply"] == op, message
-                return message
-            self._events.append(message)
+        return next_reply(op, deadline, self.read_message, self._events)
 
     def request(self, op: str, *, timeout: float = CHILD_TIMEOUT, **fields: Any) -> dict[str, Any]:
         """Send a command and return its reply."""
@@ -157,12 +165,7 @@ class Child:
 
     def event(self, name: str, timeout: float) -> dict[str, Any]:
         """The next event called ``name`` the worker sent on its own."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, message in enumerate(self._events):
-                if message.get("event") == name:
-                    return self._events.pop(i)
-            self._events.append(self.read_message(deadline))
+        return next_event(name, timeout, self.read_message, self._events)
 
     def read_message(self, deadline: float) -> dict[str, Any]:
         while b"\n" not in self._buffer:
@@ -260,6 +263,19 @@ class Children:
             self.listener.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address)
+
+
+def start_ready(
+    daemons: DaemonPool,
+    models: Sequence[Path] = (),
+    *,
+    socket: str | None = None,
+    args: Sequence[str] = (),
+) -> Daemon:
+    """Start a daemon without the pool's own wait, then wait up to :data:`DAEMON_READY`."""
+    daemon = daemons.start(models, socket=socket, args=args, wait=False)
+    daemon.wait_ready(DAEMON_READY)
+    return daemon
 
 
 @contextlib.contextmanager

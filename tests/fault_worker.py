@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import signal
@@ -53,47 +52,20 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 from structlog.testing import capture_logs
+from worker_common import SHM_MAPPING, Handler, jsonable, serve_commands, tensor_digest
+from worker_common import describe as describe_with_components
 
 import weightcache
-
-SHM_MAPPING = "/dev/shm/weightcache-"
-
-
-def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over every tensor in name order: name, dtype, shape and raw bytes."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        if t.numel():
-            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def describe(exc: BaseException) -> dict[str, Any]:
     """An exception as JSON: class, reason, detail, metadata."""
-    out: dict[str, Any] = {"type": type(exc).__name__, "detail": str(exc)}
-    if isinstance(exc, weightcache.WeightCacheError):
-        out["reason"] = exc.reason
-        out["metadata"] = dict(exc.metadata)
-    else:
-        out["traceback"] = traceback.format_exc()
-    return out
-
-
-def jsonable(value: Any) -> Any:
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return repr(value)
+    return describe_with_components(exc, components=False)
 
 
 def segment_maps() -> list[dict[str, Any]]:
@@ -264,7 +236,7 @@ class WorkerState:
 def serve(conn: socket.socket) -> None:
     """A worker's command loop over its connection to the test."""
     state = WorkerState(conn)
-    handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    handlers: dict[str, Handler] = {
         "load": state.load,
         "digest": state.digest,
         "wait_ack": state.wait_ack,
@@ -276,13 +248,7 @@ def serve(conn: socket.socket) -> None:
     }
     state.send({"event": "hello", "pid": os.getpid()})
     with conn.makefile("r", encoding="utf-8") as lines:
-        for line in lines:
-            cmd = json.loads(line)
-            try:
-                reply = handlers[cmd["op"]](cmd)
-            except Exception as exc:
-                reply = {"ok": False, "error": describe(exc)}
-            state.send({"reply": cmd["op"], **reply})
+        serve_commands(lines, handlers, state.send, describe)
     state.close_all()
 
 

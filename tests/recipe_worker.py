@@ -21,34 +21,19 @@ Commands (``key`` names one loaded result):
 from __future__ import annotations
 
 import json
-import os
 import sys
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import torch
 from safetensors.torch import save_file
+from worker_common import Handler, describe, in_shared_memory, protocol_out, serve_commands
 
 import weightcache
 from weightcache._module import assign
 
-SHM_MAPPING = "/dev/shm/weightcache-"
 SENTENCE = "A restarted worker gets bitwise the weights it would have read from disk."
 LLAMA_INPUT = [[1, 5, 9, 17, 33, 65, 127, 2, 0, 64, 100, 3]]
-
-
-def describe(exc: BaseException) -> dict[str, Any]:
-    """An exception as JSON: class, reason, detail, components, metadata."""
-    out: dict[str, Any] = {"type": type(exc).__name__, "detail": str(exc)}
-    if isinstance(exc, weightcache.WeightCacheError):
-        out["reason"] = exc.reason
-        out["metadata"] = dict(exc.metadata)
-    if isinstance(exc, weightcache.FingerprintMismatchError):
-        out["components"] = exc.components
-    if not isinstance(exc, weightcache.WeightCacheError):
-        out["traceback"] = traceback.format_exc()
-    return out
 
 
 def make_recipe(spec: dict[str, Any] | None) -> weightcache.Recipe | None:
@@ -64,28 +49,6 @@ def make_recipe(spec: dict[str, Any] | None) -> weightcache.Recipe | None:
         tp_plan=plan,
         plugins=tuple(weightcache.PluginStep.parse(p) for p in spec.get("plugins", ())),
     )
-
-
-def shm_ranges() -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of weightcache /dev/shm segments."""
-    ranges = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if SHM_MAPPING in line:
-                lo, hi = line.split()[0].split("-")
-                ranges.append((int(lo, 16), int(hi, 16)))
-    return ranges
-
-
-def in_shared_memory(tensors: Sequence[torch.Tensor]) -> bool | None:
-    """Whether every non-empty tensor's bytes lie in a mapped daemon segment."""
-    ranges = shm_ranges()
-    checks = [
-        any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in ranges)
-        for t in tensors
-        if t.numel()
-    ]
-    return all(checks) if checks else None
 
 
 def dump(tensors: dict[str, torch.Tensor], path: str) -> None:
@@ -227,22 +190,14 @@ class WorkerState:
 
 
 def main() -> None:
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    state = WorkerState(out)
-    handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    state = WorkerState(protocol_out())
+    handlers: dict[str, Handler] = {
         "load": state.load,
         "module": state.module,
         "close": state.close,
         "close_all": state.close_all,
     }
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            reply = handlers[cmd["op"]](cmd)
-        except Exception as exc:
-            reply = {"ok": False, "error": describe(exc)}
-        state.send({"reply": cmd["op"], **reply})
+    serve_commands(sys.stdin, handlers, state.send)
     state.close_all()
 
 

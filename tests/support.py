@@ -328,6 +328,30 @@ class WorkerDiedError(AssertionError):
     """The worker process ended while the test waited for a message."""
 
 
+def next_reply(
+    op: str, deadline: float, read: Callable[[float], dict[str, Any]], events: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Read messages until the reply to ``op``; events that come first go to ``events``."""
+    while True:
+        message = read(deadline)
+        if "reply" in message:
+            assert message["reply"] == op, message
+            return message
+        events.append(message)
+
+
+def next_event(
+    name: str, timeout: float, read: Callable[[float], dict[str, Any]], events: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The next event called ``name``: from ``events`` (kept earlier) or read on."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for i, message in enumerate(events):
+            if message.get("event") == name:
+                return events.pop(i)
+        events.append(read(deadline))
+
+
 class Worker:
     """``tests/worker.py`` in its own interpreter, driven by JSON lines over pipes."""
 
@@ -361,12 +385,7 @@ class Worker:
         """Send a command and return its reply (events that arrive first are kept)."""
         self.send(op, **fields)
         deadline = time.monotonic() + timeout
-        while True:
-            message = self._read_message(deadline)
-            if "reply" in message:
-                assert message["reply"] == op, message
-                return message
-            self._events.append(message)
+        return next_reply(op, deadline, self._read_message, self._events)
 
     def load(
         self,
@@ -392,12 +411,7 @@ class Worker:
 
     def event(self, name: str, timeout: float) -> dict[str, Any]:
         """The next event called ``name`` the worker sends on its own."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, message in enumerate(self._events):
-                if message.get("event") == name:
-                    return self._events.pop(i)
-            self._events.append(self._read_message(deadline))
+        return next_event(name, timeout, self._read_message, self._events)
 
     def _read_message(self, deadline: float) -> dict[str, Any]:
         assert self.proc.stdout is not None

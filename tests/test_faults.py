@@ -12,7 +12,6 @@ import shutil
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +21,14 @@ import pytest
 from tests.fault_support import (
     Child,
     Children,
-    Zygote,
     disk_digest,
     evict,
     keepalive_once,
     list_models,
     refused,
     server_info,
-    zygote_for,
+    start_ready,
 )
-from tests.fault_worker import tensor_digest
 from tests.support import (
     REMOVED_SEGMENT,
     Checkpoints,
@@ -44,6 +41,7 @@ from tests.support import (
     shm_segments,
     wait_until,
 )
+from tests.worker_common import tensor_digest
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,32 +57,6 @@ LONG_TTL = 60.0
 #: Worker processes in the stress test (the 2-core test machine; see test docstring).
 STRESS_WORKERS = 32
 STRESS_SECONDS = 20.0
-
-
-@pytest.fixture(scope="module")
-def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    with zygote_for(tmp_path_factory.mktemp("zygote")) as forker:
-        yield forker
-
-
-@pytest.fixture
-def children(daemons: DaemonPool, zygote: Zygote, tmp_path: Path) -> Iterator[Children]:
-    """Forked workers of one test; ended (leases released) before its daemons stop."""
-    pool = Children(zygote, daemons.sock_dir, tmp_path)
-    yield pool
-    pool.close()
-
-
-def start(
-    daemons: DaemonPool,
-    models: Sequence[Path] = (),
-    *,
-    socket: str | None = None,
-    args: Sequence[str] = (),
-) -> Daemon:
-    daemon = daemons.start(models, socket=socket, args=args, wait=False)
-    daemon.wait_ready(READY)
-    return daemon
 
 
 def attach_all(
@@ -108,7 +80,7 @@ def attach_all(
 def test_daemon_sigkill_four_holders_see_the_loss_within_validity(
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
-    daemon = start(daemons, [checkpoints.sharded])
+    daemon = start_ready(daemons, [checkpoints.sharded])
     expected = tensor_digest(checkpoints.tensors)
     kids = children.start(4)
     replies = attach_all(
@@ -154,7 +126,7 @@ def test_daemon_sigkill_four_holders_see_the_loss_within_validity(
 def test_sigkill_half_of_sixteen_holders_ends_exactly_their_leases(
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
-    daemon = start(daemons, [checkpoints.single])
+    daemon = start_ready(daemons, [checkpoints.single])
     expected = tensor_digest(checkpoints.tensors)
     kids = children.start(16)
     attach_all(kids, checkpoints.single, expected, socket=daemon.socket, ttl=LONG_TTL)
@@ -195,7 +167,7 @@ def test_sigkill_half_of_sixteen_holders_ends_exactly_their_leases(
 def test_leases_do_not_survive_a_daemon_restart(
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
-    old = start(daemons, [checkpoints.single])
+    old = start_ready(daemons, [checkpoints.single])
     expected = tensor_digest(checkpoints.tensors)
     kid = children.one()
     [reply] = attach_all(
@@ -212,7 +184,7 @@ def test_leases_do_not_survive_a_daemon_restart(
     [old_segment] = old.segments()
 
     killed_at = old.kill()
-    new = start(daemons, [checkpoints.single], socket=old.socket)
+    new = start_ready(daemons, [checkpoints.single], socket=old.socket)
 
     event = kid.event("lease_lost", timeout=30)
     assert event["error"]["reason"] == "LEASE_LOST"
@@ -292,7 +264,7 @@ def test_stress_attach_release_while_preloading_and_evicting(
     shutil.copytree(checkpoints.other_sharded, late)
     shutil.copytree(checkpoints.other, gone)
     expected = {str(p): disk_digest(p) for p in (kept, late, gone)}
-    daemon = start(
+    daemon = start_ready(
         daemons,
         [kept, gone],
         args=["--allow-remote-preload", "--model-root", str(root), "--drain-timeout", "30"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,6 @@ from grpc_status import rpc_status
 from tests.fault_support import (
     Child,
     Children,
-    Zygote,
     acquire_request,
     disk_digest,
     evict,
@@ -29,11 +28,10 @@ from tests.fault_support import (
     proc_status,
     refused,
     server_info,
+    start_ready,
     write_big_checkpoint,
     write_sized_checkpoint,
-    zygote_for,
 )
-from tests.fault_worker import tensor_digest
 from tests.support import (
     Checkpoints,
     Daemon,
@@ -46,6 +44,7 @@ from tests.support import (
     shm_segments,
     wait_until,
 )
+from tests.worker_common import tensor_digest
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.budget import cpu_available_bytes
 
@@ -55,20 +54,6 @@ pytestmark = pytest.mark.timeout(300)
 READY = 120.0
 LONG_TTL = 60.0
 MIB = 2**20
-
-
-@pytest.fixture(scope="module")
-def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    with zygote_for(tmp_path_factory.mktemp("zygote")) as forker:
-        yield forker
-
-
-@pytest.fixture
-def children(daemons: DaemonPool, zygote: Zygote, tmp_path: Path) -> Iterator[Children]:
-    """Forked workers of one test; ended (leases released) before its daemons stop."""
-    pool = Children(zygote, daemons.sock_dir, tmp_path)
-    yield pool
-    pool.close()
 
 
 @dataclass(frozen=True)
@@ -100,18 +85,6 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Big:
         root / "big", tensors=20, tensor_mib=16, largest_mib=32
     )
     return Big(root, root / "big", digest, total, largest)
-
-
-def start(
-    daemons: DaemonPool,
-    models: Sequence[Path] = (),
-    *,
-    socket: str | None = None,
-    args: Sequence[str] = (),
-) -> Daemon:
-    daemon = daemons.start(models, socket=socket, args=args, wait=False)
-    daemon.wait_ready(READY)
-    return daemon
 
 
 def attach(kid: Child, path: Path, expected: str, key: str = "w", **options: Any) -> dict[str, Any]:
@@ -148,11 +121,27 @@ def assert_private_copy(kid: Child, segment: str) -> None:
 # -- drain at SIGTERM -------------------------------------------------------------------
 
 
+def assert_revoked_copy(kid: Child, expected: str, segment: str) -> None:
+    """The worker's lease was revoked and handled by copying: not lost, its tensors'
+    digest still ``expected`` and no error, its copy out of ``segment``."""
+    assert kid.request("lease", key="w") == {
+        "reply": "lease",
+        "ok": True,
+        "lost": None,
+        "revoked": True,
+    }
+    now = kid.request("digest", key="w")
+    assert (now["digest"], now["tensors_error"]) == (expected, None)
+    assert_private_copy(kid, segment)
+
+
 def test_sigterm_copy_holders_release_daemon_exits_well_before_drain_timeout(
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
     drain_timeout = 60.0
-    daemon = start(daemons, [checkpoints.sharded], args=["--drain-timeout", str(drain_timeout)])
+    daemon = start_ready(
+        daemons, [checkpoints.sharded], args=["--drain-timeout", str(drain_timeout)]
+    )
     expected = tensor_digest(checkpoints.tensors)
     kids = children.start(3)
     for kid in kids:
@@ -182,15 +171,7 @@ def test_sigterm_copy_holders_release_daemon_exits_well_before_drain_timeout(
     assert_gone(daemon)
     for kid in kids:
         # Revoked and handled by copying: not lost, even now that the stream has broken.
-        assert kid.request("lease", key="w") == {
-            "reply": "lease",
-            "ok": True,
-            "lost": None,
-            "revoked": True,
-        }
-        now = kid.request("digest", key="w")
-        assert (now["digest"], now["tensors_error"]) == (expected, None)
-        assert_private_copy(kid, segment)
+        assert_revoked_copy(kid, expected, segment)
         assert "lease revoked: weights copied to private memory" in kid.log()
 
 
@@ -198,7 +179,9 @@ def test_sigterm_raise_holder_loses_lease_stopped_holder_holds_drain_to_its_time
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
     drain_timeout = 10.0
-    daemon = start(daemons, [checkpoints.single], args=["--drain-timeout", str(drain_timeout)])
+    daemon = start_ready(
+        daemons, [checkpoints.single], args=["--drain-timeout", str(drain_timeout)]
+    )
     expected = tensor_digest(checkpoints.tensors)
     raiser, stopped, late = children.start(3)
     attach(
@@ -250,7 +233,7 @@ def test_sigterm_raise_holder_loses_lease_stopped_holder_holds_drain_to_its_time
 def test_close_after_the_daemon_drained_is_a_no_op(
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
-    daemon = start(daemons, [checkpoints.single], args=["--drain-timeout", "60"])
+    daemon = start_ready(daemons, [checkpoints.single], args=["--drain-timeout", "60"])
     kid = children.one()
     attach(kid, checkpoints.single, tensor_digest(checkpoints.tensors), socket=daemon.socket)
     sigterm(daemon)
@@ -268,7 +251,9 @@ def test_close_after_the_daemon_drained_is_a_no_op(
 def test_forced_evict_revokes_holders_and_frees_after_release(
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
-    daemon = start(daemons, [checkpoints.single, checkpoints.other], args=["--drain-timeout", "60"])
+    daemon = start_ready(
+        daemons, [checkpoints.single, checkpoints.other], args=["--drain-timeout", "60"]
+    )
     expected = tensor_digest(checkpoints.tensors)
     assert len(daemon.segments()) == 2
     quick, stopped, late = children.start(3)
@@ -311,15 +296,7 @@ def test_forced_evict_revokes_holders_and_frees_after_release(
     wait_until(lambda: "single" not in list_models(daemon.socket), 30.0)
     assert daemon.segments() == []
     for kid in (quick, stopped):
-        assert kid.request("lease", key="w") == {
-            "reply": "lease",
-            "ok": True,
-            "lost": None,
-            "revoked": True,
-        }
-        now = kid.request("digest", key="w")
-        assert (now["digest"], now["tensors_error"]) == (expected, None)
-        assert_private_copy(kid, segment)
+        assert_revoked_copy(kid, expected, segment)
     # An evicting model cannot be leased. The daemon now says MODEL_FAILED ("model 'single'
     # is MODEL_STATE_EVICTING"), which the README reserves for a failed load; MODEL_NOT_FOUND
     # (or a reason of its own) would say it better. Either is a documented fallback.
@@ -507,7 +484,7 @@ def test_acquire_while_start_up_preloads_register_is_model_loading(
 
 
 def test_preload_peak_memory_is_arena_plus_one_tensor(daemons: DaemonPool, big: Big) -> None:
-    daemon = start(daemons, args=["--allow-remote-preload", "--model-root", str(big.root)])
+    daemon = start_ready(daemons, args=["--allow-remote-preload", "--model-root", str(big.root)])
     idle = proc_status(daemon.pid)["VmHWM"]
 
     with service_stub(daemon.socket) as stub:

@@ -24,66 +24,25 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import torch
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
+from worker_common import (
+    Handler,
+    describe,
+    in_shared_memory,
+    jsonable,
+    protocol_out,
+    serve_commands,
+)
 
 import weightcache
-
-SHM_MAPPING = "/dev/shm/weightcache-"
-
-
-def describe(exc: BaseException) -> dict[str, Any]:
-    """An exception as JSON: class, reason, detail, components, metadata."""
-    out: dict[str, Any] = {"type": type(exc).__name__, "detail": str(exc)}
-    if isinstance(exc, weightcache.WeightCacheError):
-        out["reason"] = exc.reason
-        out["metadata"] = exc.metadata
-    if isinstance(exc, weightcache.FingerprintMismatchError):
-        out["components"] = exc.components
-    if not isinstance(exc, weightcache.WeightCacheError):
-        out["traceback"] = traceback.format_exc()
-    return out
-
-
-def jsonable(value: Any) -> Any:
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return repr(value)
-
-
-def shm_ranges() -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of weightcache /dev/shm segments."""
-    ranges = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if SHM_MAPPING in line:
-                lo, hi = line.split()[0].split("-")
-                ranges.append((int(lo, 16), int(hi, 16)))
-    return ranges
-
-
-def in_shared_memory(tensors: dict[str, torch.Tensor]) -> bool | None:
-    """Whether every non-empty tensor's bytes lie in a mapped daemon segment (zero-copy)."""
-    ranges = shm_ranges()
-    checks = [
-        any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in ranges)
-        for t in tensors.values()
-        if t.numel()
-    ]
-    return all(checks) if checks else None
 
 
 class WorkerState:
@@ -139,7 +98,7 @@ class WorkerState:
             else {"code": reason.code, "detail": reason.detail, "components": reason.components},
             "lease": None if lease is None else {"ttl": lease.ttl, "validity": lease.validity},
             "names": list(tensors),
-            "in_shared_memory": in_shared_memory(tensors),
+            "in_shared_memory": in_shared_memory(tensors.values()),
             "elapsed": elapsed,
             "logs": jsonable(logs),
         }
@@ -205,10 +164,8 @@ def dump(tensors: dict[str, torch.Tensor], path: str) -> None:
 
 
 def main() -> None:
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    state = WorkerState(out)
-    handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    state = WorkerState(protocol_out())
+    handlers: dict[str, Handler] = {
         "load": state.load,
         "dump": state.dump,
         "invert": state.invert,
@@ -216,13 +173,7 @@ def main() -> None:
         "wait_lost": state.wait_lost,
         "close": state.close,
     }
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            reply = handlers[cmd["op"]](cmd)
-        except Exception as exc:
-            reply = {"ok": False, "error": describe(exc)}
-        state.send({"reply": cmd["op"], **reply})
+    serve_commands(sys.stdin, handlers, state.send)
     state.close_all()
 
 
