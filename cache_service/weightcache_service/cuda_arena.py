@@ -64,8 +64,9 @@ class CudaArena:
         write_slot(self._base, slot, staging)
 
     def handle(self) -> pb.StorageHandle:
-        """The wire handle: device UUID, the raw 64-byte IPC handle, size."""
-        torch.cuda.synchronize(self.index)  # every copy has landed before anyone maps it
+        """The wire handle: device UUID, the raw 64-byte IPC handle, size. Called once the
+        load is done; it waits for every copy to land before anyone can map the arena."""
+        torch.cuda.synchronize(self.index)
         return pb.StorageHandle(
             cuda_ipc=pb.CudaIpcHandle(
                 device_uuid=self.uuid, ipc_handle=self._handle, size=self.size

@@ -327,7 +327,7 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
                     metadata={"bytes_done": "0", "bytes_total": "0"},
                 ) from None
             raise self._with_skew(err, request.environment) from None
-        if entry.state != pb.MODEL_STATE_READY or entry.arena is None:
+        if entry.handle is None:
             raise ModelLoadingError(f"model {entry.name!r} is not ready")
         ttl = request.ttl.ToNanoseconds() / 1e9 if request.HasField("ttl") else None
         lease = self.leases.grant(entry.name, ttl, request.request_id, request.pid)
@@ -335,7 +335,7 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         return pb.AcquireResponse(
             lease=self._lease_pb(lease),
             model=self._model_pb(entry),
-            storage=entry.arena.handle(),
+            storage=entry.handle,
             tensors=entry.views,
             environment=self._environment,
         )

@@ -55,6 +55,7 @@ class Entry:
     create_time: float = field(default_factory=time.time)
     load_seconds: float = 0.0
     views: list[pb.TensorView] = field(default_factory=list)
+    handle: pb.StorageHandle | None = None
 
 
 class Store:
@@ -152,6 +153,8 @@ class Store:
                 for slot in entry.slots:
                     self._load_tensor(entry, entry.arena, reader, slot)
             entry.views = [slot.view() for slot in entry.slots]
+            # Built once, in the load thread: for CUDA it waits for every copy to land.
+            entry.handle = entry.arena.handle()
         except WeightCacheError as exc:
             entry.failure = exc
         except Exception as exc:
@@ -243,6 +246,7 @@ class Store:
 
     @staticmethod
     def _free(entry: Entry) -> None:
+        entry.handle = None
         if entry.arena is not None:
             entry.arena.close()
             entry.arena = None

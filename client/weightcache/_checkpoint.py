@@ -18,7 +18,6 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -321,21 +320,6 @@ def _check_offsets(shard: str, tensors: list[TensorInfo], size: int) -> None:
         if info.nbytes and info.begin < end:
             raise InvalidCheckpointError(f"{shard}: tensor {info.name!r} overlaps another")
         end = max(end, info.begin + info.nbytes)
-
-
-def iter_tensors(checkpoint: Checkpoint) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
-    """Yield every tensor of a validated checkpoint as a new CPU tensor, in checkpoint order.
-
-    Each tensor is read with ``preadv`` straight into its own memory: no mapping of the
-    file, so memory grows by exactly the tensors kept.
-
-    Raises:
-        InvalidCheckpointError: a file shrank or became unreadable since it was validated.
-    """
-    for shard in checkpoint.shards:
-        with ShardReader(shard) as reader:
-            for info in shard.tensors:
-                yield info, reader.read(info)
 
 
 class ShardReader:
