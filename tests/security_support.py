@@ -48,6 +48,9 @@ USERS_LOCK = "/tmp/wctest-users.lock"
 NOBODY = 65534
 #: Name the test server certificate carries (the channel overrides the target name to it).
 TLS_NAME = "weightcache.test"
+#: Common names of the test client certificates: one a daemon's allow-list names, one not.
+CLIENT_NAME = "weightcache worker"
+STRANGER_NAME = "weightcache stranger"
 SYSTEM_PATHS = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -231,6 +234,8 @@ def errno_name(exc):
     return errno.errorcode.get(exc.errno, str(exc.errno))
 
 try:
+    if "checkpoint" not in job:
+        raise LookupError("no checkpoint in the job")
     w = weightcache.load(job["checkpoint"], socket=job["socket"], mode="copy",
                          wait_timeout=5.0, fallback=True)
     reason = w.fallback_reason
@@ -363,6 +368,18 @@ def _is_local(address: str) -> bool:
     return True
 
 
+def ipv6_loopback() -> bool:
+    """Whether ``::1`` can be bound here (IPv6 may be disabled in a container)."""
+    if not socket.has_ipv6:
+        return False
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            return False
+    return True
+
+
 def primary_ipv4() -> str | None:
     """A non-loopback IPv4 address of this host (bindable here, so ours), or None.
 
@@ -410,18 +427,21 @@ class PkiUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class Pki:
-    """PEM files of a throwaway CA, a server certificate and a client certificate."""
+    """PEM files of a throwaway CA, a server certificate and two client certificates:
+    ``client`` (CN :data:`CLIENT_NAME`) and ``stranger`` (CN :data:`STRANGER_NAME`)."""
 
     ca: Path
     server_cert: Path
     server_key: Path
     client_cert: Path
     client_key: Path
+    stranger_cert: Path
+    stranger_key: Path
 
 
 def make_pki(folder: Path, addresses: list[str]) -> Pki:
     """A CA, a server certificate for :data:`TLS_NAME`, ``localhost`` and ``addresses``,
-    and a client certificate, all signed by the CA (EC P-256, valid for a day).
+    and two client certificates, all signed by the CA (EC P-256, valid for a day).
 
     Uses the ``cryptography`` package, else the ``openssl`` command.
 
@@ -435,6 +455,8 @@ def make_pki(folder: Path, addresses: list[str]) -> Pki:
         server_key=folder / "server.key",
         client_cert=folder / "client.pem",
         client_key=folder / "client.key",
+        stranger_cert=folder / "stranger.pem",
+        stranger_key=folder / "stranger.key",
     )
     try:
         import cryptography  # noqa: F401
@@ -492,13 +514,15 @@ def _pki_cryptography(pki: Pki, addresses: list[str]) -> None:
     sans: list[x509.GeneralName] = [x509.DNSName(TLS_NAME), x509.DNSName("localhost")]
     sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
     leaves = (
-        (pki.server_cert, pki.server_key, "daemon", ExtendedKeyUsageOID.SERVER_AUTH, sans),
-        (pki.client_cert, pki.client_key, "worker", ExtendedKeyUsageOID.CLIENT_AUTH, []),
-    )
+        (pki.server_cert, pki.server_key, "weightcache daemon", ExtendedKeyUsageOID.SERVER_AUTH,
+         sans),
+        (pki.client_cert, pki.client_key, CLIENT_NAME, ExtendedKeyUsageOID.CLIENT_AUTH, []),
+        (pki.stranger_cert, pki.stranger_key, STRANGER_NAME, ExtendedKeyUsageOID.CLIENT_AUTH, []),
+    )  # fmt: skip
     for cert_path, key_path, common, usage, alt in leaves:
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
-            builder(name(f"weightcache {common}"), ca_name, key)
+            builder(name(common), ca_name, key)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
@@ -528,15 +552,17 @@ def _pki_openssl(openssl: str, folder: Path, pki: Pki, addresses: list[str]) -> 
     )  # fmt: skip
     sans = ",".join([f"DNS:{TLS_NAME}", "DNS:localhost", *(f"IP:{a}" for a in addresses)])
     leaves = (
-        (pki.server_cert, pki.server_key, "daemon", "serverAuth", f"subjectAltName={sans}\n"),
-        (pki.client_cert, pki.client_key, "worker", "clientAuth", ""),
-    )
+        (pki.server_cert, pki.server_key, "weightcache daemon", "serverAuth",
+         f"subjectAltName={sans}\n"),
+        (pki.client_cert, pki.client_key, CLIENT_NAME, "clientAuth", ""),
+        (pki.stranger_cert, pki.stranger_key, STRANGER_NAME, "clientAuth", ""),
+    )  # fmt: skip
     for cert_path, key_path, common, usage, alt in leaves:
-        csr = folder / f"{common}.csr"
-        ext = folder / f"{common}.ext"
+        csr = key_path.with_suffix(".csr")
+        ext = key_path.with_suffix(".ext")
         ext.write_text(f"basicConstraints=critical,CA:FALSE\nextendedKeyUsage={usage}\n{alt}")
         run("req", *ec_key, "-keyout", str(key_path), "-out", str(csr),
-            "-subj", f"/CN=weightcache {common}")  # fmt: skip
+            "-subj", f"/CN={common}")  # fmt: skip
         run(
             "x509", "-req", "-in", str(csr), "-CA", str(pki.ca), "-CAkey", str(ca_key),
             "-set_serial", str(int.from_bytes(os.urandom(8), "big")), "-days", "1",

@@ -82,8 +82,10 @@ def cli_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "weightcache_service.cli"]
 
 
-def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run ``weightcache ARGS...`` to completion and capture its output."""
+def run_cli(
+    *args: str, timeout: float = 60.0, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``weightcache ARGS...`` (in ``cwd``) to completion and capture its output."""
     return subprocess.run(
         [*cli_command(), *args],
         capture_output=True,
@@ -91,6 +93,7 @@ def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[st
         timeout=timeout,
         env=child_env(),
         check=False,
+        cwd=cwd,
     )
 
 

@@ -6,8 +6,11 @@ started in parallel they cost about one start-up on a loaded machine):
 - ``grouped``: ``--group wctest_group`` (when the test users can be created), TLS on
   127.0.0.1; a member and an outsider of the group run ``weightcache.load``, a raw
   ``connect`` and ``weightcache ls`` as themselves (``runuser``);
+- ``grouped`` also lets unauthenticated TCP peers read (``--allow-unauthenticated-info``);
 - ``main``: no group, mutual TLS on a non-loopback address of this host (127.0.0.1 when
-  the host has none), remote Preload under a model root; the bounds tests use its socket;
+  the host has none) allowing the CLIENT_NAME certificate only, remote Preload under a
+  model root; the bounds tests use its socket;
+- ``v6``: mutual TLS on ``[::1]`` (when this host has IPv6 loopback);
 - ``plain``: restarted on the same socket (over a symlink planted at the socket path) to
   compare segment names across instances; the second instance serves plaintext loopback TCP;
 - refused starts: unsafe socket folders, a symlinked lock file, TCP without TLS or plaintext
@@ -23,6 +26,7 @@ the marker is removed then.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -43,11 +47,16 @@ import grpc
 import pytest
 import torch
 from google.protobuf import duration_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from safetensors.torch import save_file
 
 import weightcache
 from tests.security_support import (
+    CLIENT_NAME,
     NOBODY,
+    OUTSIDER,
+    STRANGER_NAME,
     TLS_NAME,
     Pki,
     PkiUnavailableError,
@@ -55,6 +64,7 @@ from tests.security_support import (
     Users,
     acquire_request,
     interpreter_for,
+    ipv6_loopback,
     make_pki,
     primary_ipv4,
     result_of,
@@ -72,11 +82,14 @@ from tests.support import (
     health,
     raw_bytes,
     rpc_failure,
+    run_cli,
     service_stub,
     shm_segments,
 )
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service.access import peer_address, peer_is_local
+from weightcache_service.authz import RULES
 from weightcache_service.server import socket_tag
 
 # Fixture setup (several daemons, other users' interpreters) counts against a test's limit.
@@ -84,6 +97,7 @@ pytestmark = pytest.mark.timeout(300)
 
 ROOT = os.geteuid() == 0
 HOST_IP = primary_ipv4()
+IPV6 = ipv6_loopback()
 START_TIMEOUT = 150.0
 SEGMENT_NAME = re.compile(r"^weightcache-([0-9a-f]{12})-([0-9a-f]{12})-([0-9a-f]{32})$")
 MEMBERSHIP_SKIP = "needs root and useradd/groupadd/runuser to create a second user"
@@ -128,6 +142,7 @@ REFUSALS: dict[str, RefusalCase] = {
     "lock-file-is-symlink": RefusalCase("exists and is not a daemon's socket or lock file"),
     "insecure-tcp-not-loopback": RefusalCase("--insecure TCP only on loopback, not 0.0.0.0"),
     "tcp-without-tls": RefusalCase("--listen needs --tls-cert and --tls-key"),
+    "subject-without-client-ca": RefusalCase("--tls-client-subject needs --tls-client-ca"),
 }
 
 
@@ -169,6 +184,8 @@ def _prepare_refusal(base: Path, name: str) -> tuple[str, Path, list[str]]:
         args = ["--listen", "0.0.0.0:0", "--insecure"]
     elif name == "tcp-without-tls":
         args = ["--listen", "127.0.0.1:0"]
+    elif name == "subject-without-client-ca":
+        args = ["--listen", "127.0.0.1:0", "--tls-client-subject", CLIENT_NAME]
     return str(folder / "d.sock"), folder, args
 
 
@@ -244,6 +261,7 @@ class Fleet:
     grouped: Daemon
     main: Daemon
     plain: Daemon
+    v6: Daemon | None
     main_host: str
     refusals: dict[str, Refused]
     users: Users | None
@@ -305,7 +323,7 @@ def fleet(other_users: Users | str, tmp_path_factory: pytest.TempPathFactory) ->
         escape = roots / "escape"
         escape.mkdir()
         (escape / "model.safetensors").symlink_to(outside / "model.safetensors")
-        addresses = ["127.0.0.1", *([HOST_IP] if HOST_IP else [])]
+        addresses = ["127.0.0.1", *([HOST_IP] if HOST_IP else []), *(["::1"] if IPV6 else [])]
         pki: Pki | None = None
         tls_skip = None
         try:
@@ -317,8 +335,9 @@ def fleet(other_users: Users | str, tmp_path_factory: pytest.TempPathFactory) ->
         main_tcp: list[str] = []
         if pki is not None:
             tls = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
-            grouped_tcp = ["--listen", "127.0.0.1:0", *tls]
-            main_tcp = ["--listen", f"{main_host}:0", *tls, "--tls-client-ca", str(pki.ca)]
+            mtls = [*tls, "--tls-client-ca", str(pki.ca)]
+            grouped_tcp = ["--listen", "127.0.0.1:0", *tls, "--allow-unauthenticated-info"]
+            main_tcp = ["--listen", f"{main_host}:0", *mtls, "--tls-client-subject", CLIENT_NAME]
 
         refusals = _prepare_refusals(base)
         refusal_proc = _start_refusals(refusals)
@@ -336,6 +355,10 @@ def fleet(other_users: Users | str, tmp_path_factory: pytest.TempPathFactory) ->
             wait=False,
         )
         plain = pool.start([tiny], socket=str(base / "r" / "d.sock"), wait=False)
+        v6 = None
+        if pki is not None and IPV6:
+            v6_tcp = ["--listen", "[::1]:0", *mtls]
+            v6 = pool.start([tiny], socket=str(base / "v6" / "d.sock"), args=v6_tcp, wait=False)
 
         go = base / "go.json"
         if users is not None:
@@ -351,7 +374,7 @@ def fleet(other_users: Users | str, tmp_path_factory: pytest.TempPathFactory) ->
                 job = {"checkpoint": str(tiny), "socket": grouped.socket, "go": str(go)}
                 user_procs[user] = start_as(user, interpreter, job, str(base))
 
-        for daemon in (grouped, main, plain):
+        for daemon in (grouped, main, plain, *([v6] if v6 else [])):
             daemon.wait_ready(START_TIMEOUT)
         write_go(
             go,
@@ -373,6 +396,7 @@ def fleet(other_users: Users | str, tmp_path_factory: pytest.TempPathFactory) ->
             grouped=grouped,
             main=main,
             plain=plain,
+            v6=v6,
             main_host=main_host,
             refusals=refusals,
             users=users,
@@ -624,6 +648,49 @@ def _segments_of(instance_id: str) -> list[str]:
     """/dev/shm segments whose name carries this daemon instance's id."""
     part = f"-{instance_id[:12]}-"
     return sorted(f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if part in n)
+
+
+def test_relative_socket_path_over_the_limit_once_absolute_is_refused(fleet: Fleet) -> None:
+    cwd = fleet.base / ("d" * 50) / ("e" * 50)
+    cwd.mkdir(parents=True)
+    bound = cwd / "s" / "d.sock"  # what the daemon would bind: "s/d.sock" made absolute
+
+    done = run_cli("preload", "--socket", "s/d.sock", cwd=cwd)
+
+    size = len(os.fsencode(str(bound)))
+    assert size > 107
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"weightcache preload: socket path is over 107 bytes once made absolute "
+        f"({size} bytes): {bound}; use a shorter --socket\n"
+    )
+    assert not (cwd / "s").exists()
+
+
+def test_group_daemon_run_by_a_non_member_says_what_to_do(fleet: Fleet) -> None:
+    if fleet.users is None:
+        pytest.skip(fleet.users_skip or MEMBERSHIP_SKIP)
+    users = fleet.users
+    interpreter = interpreter_for(users.outsider, str(fleet.base))
+    if interpreter is None:
+        pytest.skip(fleet.users_skip or f"cannot run Python as {users.outsider}")
+    home = fleet.base / "outsider-daemon"
+    home.mkdir(mode=0o700)
+    os.chown(home, users.outsider_uid, -1)
+    socket = str(home / "s" / "d.sock")
+    argv = ["preload", "--socket", socket, "--group", users.group]
+
+    result = result_of(start_as(users.outsider, interpreter, {"cli": {"d": argv}}, str(home)))
+
+    assert "import_error" not in result, result
+    assert result["cli"]["d"] == {
+        "rc": 1,
+        "stdout": "",
+        "stderr": f"weightcache preload: --group {users.group}: the daemon's user {OUTSIDER} "
+        f"is not a member of group {users.group}; add {OUTSIDER} to {users.group} (and log "
+        "in again) or run the daemon as root\n",
+    }
+    assert os.listdir(home) == []
 
 
 def test_daemon_replaces_a_symlink_at_its_socket_path_without_following_it(
@@ -931,8 +998,7 @@ def test_tls_listener_serves_tls_clients_only(fleet: Fleet) -> None:
     with _tls_channel(address, pki, client_cert=False) as channel:
         stub = pb_grpc.WeightCacheServiceStub(channel)
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=20)
-        reply = stub.Acquire(request, timeout=20)
-        stub.Release(pb.ReleaseRequest(lease_id=reply.lease.lease_id), timeout=20)
+        refused = rpc_failure(_failure(lambda: stub.Acquire(request, timeout=20)))
     with grpc.insecure_channel(address) as channel:
         plaintext = _failure(
             lambda: pb_grpc.WeightCacheServiceStub(channel).GetServerInfo(
@@ -947,8 +1013,8 @@ def test_tls_listener_serves_tls_clients_only(fleet: Fleet) -> None:
         )
 
     assert info.instance_id == _info(fleet.grouped.socket).instance_id
-    assert reply.lease.model == "tiny"  # Acquire from the loopback peer works over TCP
-    assert reply.storage.shared_memory.path in fleet.grouped.segments()
+    # TLS without a client certificate is encrypted, not authenticated: no leases.
+    assert (refused.code, refused.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
     assert plaintext.code() == grpc.StatusCode.UNAVAILABLE
     assert untrusted.code() == grpc.StatusCode.UNAVAILABLE
     assert get_model(fleet.grouped.socket, "tiny").lease_count == 0
@@ -1005,17 +1071,251 @@ def test_acquire_from_a_non_loopback_peer_is_not_same_host(fleet: Fleet) -> None
     assert get_model(fleet.main.socket, "tiny").lease_count == 0
 
 
-def test_plaintext_tcp_on_loopback_serves_acquire(restart: Restart, fleet: Fleet) -> None:
+def test_plaintext_tcp_on_loopback_refuses_acquire(restart: Restart, fleet: Fleet) -> None:
     address = f"127.0.0.1:{tcp_port(restart.second)}"
     request = acquire_request(fleet.tiny)
 
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.WeightCacheServiceStub(channel)
-        reply = stub.Acquire(request, timeout=20)
+        failure = rpc_failure(_failure(lambda: stub.Acquire(request, timeout=20)))
+
+    assert (failure.code, failure.reason, failure.domain) == (
+        grpc.StatusCode.UNAUTHENTICATED,
+        "UNAUTHENTICATED",
+        "weightcache.v1",
+    )
+    assert failure.metadata == {"method": "Acquire"}
+    assert "--tls-client-ca" in failure.message
+    assert get_model(restart.second.socket, "tiny").lease_count == 0
+    assert _segments_of(restart.second_instance) == restart.second.segments()
+
+
+# -- 3b. authorization: each RPC for each kind of peer ---------------------------------
+
+#: The outcome of each RPC as :func:`_outcomes` reports it: "OK" when the RPC reached its
+#: handler and it answered; the handler's own reason (NOT_SAME_HOST, MODEL_NOT_FOUND) when
+#: it reached the handler and was refused there; the authorization refusal otherwise.
+ALL_RPCS = (
+    "Check",
+    "ServerReflectionInfo",
+    "GetServerInfo",
+    "ListModels",
+    "GetModel",
+    "Acquire",
+    "KeepAlive",
+    "Release",
+    "Evict",
+    "Preload",
+)
+READ_ONLY = ("ServerReflectionInfo", "GetServerInfo", "ListModels", "GetModel")
+
+
+def _served(*, acquire: str = "OK") -> dict[str, str]:
+    return {
+        **dict.fromkeys(ALL_RPCS, "OK"),
+        "Acquire": acquire,
+        "Evict": "MODEL_NOT_FOUND",  # reached the servicer: no model of that name
+    }
+
+
+def _refused(reason: str, *, read_only: str | None = None) -> dict[str, str]:
+    outcome = dict.fromkeys(ALL_RPCS, reason)
+    outcome["Check"] = "OK"  # health is open to every peer (probes, load balancers)
+    for rpc in READ_ONLY:
+        outcome[rpc] = read_only or reason
+    return outcome
+
+
+def _outcome(call: Callable[[], Any]) -> str:
+    """ "OK", or the ErrorInfo reason of the failure (authorization refusals name the RPC)."""
+    try:
+        call()
+    except grpc.RpcError as exc:
+        failure = rpc_failure(exc)
+        if failure.reason in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            assert failure.metadata.get("method") in ALL_RPCS, failure
+            assert failure.code.name == failure.reason, failure
+        return failure.reason
+    return "OK"
+
+
+def _outcomes(channel: grpc.Channel, fleet: Fleet, instance_id: str) -> dict[str, str]:
+    """Call every RPC once over ``channel`` and check each answer that came back."""
+    stub = pb_grpc.WeightCacheServiceStub(channel)
+    health_stub = health_pb2_grpc.HealthStub(channel)
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    granted: list[str] = []
+
+    def check() -> None:
+        reply = health_stub.Check(health_pb2.HealthCheckRequest(), timeout=20)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def services() -> None:
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        (reply,) = list(reflection.ServerReflectionInfo(iter([ask]), timeout=20))
+        names = {s.name for s in reply.list_services_response.service}
+        assert "weightcache.v1.WeightCacheService" in names
+
+    def info() -> None:
+        assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=20).instance_id == (
+            instance_id
+        )
+
+    def models() -> None:
+        names = {m.name for m in stub.ListModels(pb.ListModelsRequest(), timeout=20).models}
+        assert "tiny" in names
+
+    def model() -> None:
+        assert stub.GetModel(pb.GetModelRequest(name="tiny"), timeout=20).model.name == "tiny"
+
+    def acquire() -> None:
+        reply = stub.Acquire(acquire_request(fleet.tiny), timeout=20)
+        assert reply.lease.model == "tiny"
+        granted.append(reply.lease.lease_id)
+
+    def keepalive() -> None:
+        ask = pb.KeepAliveRequest(lease_ids=granted)
+        replies = stub.KeepAlive(iter([ask]), timeout=20)
+        first = next(replies)
+        assert [s.lease_id for s in first.leases] == granted
+        replies.cancel()
+
+    def release() -> None:
+        lease_id = granted[0] if granted else uuid.uuid4().hex
+        stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=20)
+
+    def evict() -> None:
+        stub.Evict(pb.EvictRequest(name="no-such-model"), timeout=20)
+
+    def preload() -> None:
+        try:
+            replies = list(stub.Preload(pb.PreloadRequest(path=str(fleet.tiny2)), timeout=60))
+        except grpc.RpcError as exc:
+            if rpc_failure(exc).reason != "MODEL_EXISTS":
+                raise
+            return
+        assert replies[-1].state == pb.MODEL_STATE_READY
+
+    calls = (check, services, info, models, model, acquire, keepalive, release, evict, preload)
+    return {rpc: _outcome(call) for rpc, call in zip(ALL_RPCS, calls, strict=True)}
+
+
+def test_every_rpc_has_an_authorization_rule() -> None:
+    service = pb.DESCRIPTOR.services_by_name["WeightCacheService"]
+    methods = {f"/{service.full_name}/{m.name}" for m in service.methods}
+    assert methods <= set(RULES)
+    assert {m.rpartition("/")[2] for m in RULES} == set(ALL_RPCS)
+
+
+def test_unix_socket_peer_may_call_every_rpc(fleet: Fleet) -> None:
+    instance = _info(fleet.main.socket).instance_id
+    with grpc.insecure_channel(f"unix:{fleet.main.socket}") as channel:
+        outcomes = _outcomes(channel, fleet, instance)
+
+    assert outcomes == _served()
+    assert get_model(fleet.main.socket, "tiny").lease_count == 0
+
+
+def test_plaintext_loopback_peer_gets_health_only(restart: Restart, fleet: Fleet) -> None:
+    address = f"127.0.0.1:{tcp_port(restart.second)}"
+    with grpc.insecure_channel(address) as channel:
+        outcomes = _outcomes(channel, fleet, restart.second_instance)
+
+    assert outcomes == _refused("UNAUTHENTICATED")
+    assert get_model(restart.second.socket, "tiny").lease_count == 0
+
+
+def test_tls_peer_without_client_certificate_gets_health_and_info_when_allowed(
+    fleet: Fleet,
+) -> None:
+    pki = fleet.pki  # skips without one
+    address = f"127.0.0.1:{tcp_port(fleet.grouped)}"
+    instance = _info(fleet.grouped.socket).instance_id
+    with _tls_channel(address, pki, client_cert=False) as channel:
+        outcomes = _outcomes(channel, fleet, instance)
+
+    # The grouped daemon runs with --allow-unauthenticated-info.
+    assert outcomes == _refused("UNAUTHENTICATED", read_only="OK")
+    assert get_model(fleet.grouped.socket, "tiny").lease_count == 0
+
+
+def test_mutual_tls_peer_named_in_the_allow_list_may_call_every_rpc(fleet: Fleet) -> None:
+    pki = fleet.pki  # skips without one
+    address = f"{fleet.main_host}:{tcp_port(fleet.main)}"
+    instance = _info(fleet.main.socket).instance_id
+    with _tls_channel(address, pki, client_cert=True) as channel:
+        outcomes = _outcomes(channel, fleet, instance)
+
+    # Authorized; Acquire then reaches the servicer, which still hands handles to this
+    # host only.
+    assert outcomes == _served(acquire="NOT_SAME_HOST" if HOST_IP else "OK")
+    assert get_model(fleet.main.socket, "tiny").lease_count == 0
+
+
+def test_mutual_tls_peer_outside_the_allow_list_gets_health_only(fleet: Fleet) -> None:
+    pki = fleet.pki  # skips without one
+    address = f"{fleet.main_host}:{tcp_port(fleet.main)}"
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=pki.ca.read_bytes(),
+        private_key=pki.stranger_key.read_bytes(),
+        certificate_chain=pki.stranger_cert.read_bytes(),
+    )
+    options = [("grpc.ssl_target_name_override", TLS_NAME)]
+    with grpc.secure_channel(address, creds, options=options) as channel:
+        outcomes = _outcomes(channel, fleet, _info(fleet.main.socket).instance_id)
+        stub = pb_grpc.WeightCacheServiceStub(channel)
+        request = acquire_request(fleet.tiny)
+        failure = rpc_failure(_failure(lambda: stub.Acquire(request, timeout=20)))
+
+    assert outcomes == _refused("PERMISSION_DENIED")
+    assert failure.metadata == {"method": "Acquire"}
+    assert STRANGER_NAME in failure.message
+    assert "--tls-client-subject" in failure.message
+    assert get_model(fleet.main.socket, "tiny").lease_count == 0
+
+
+# -- 3c. IPv6 loopback -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("peer", "address", "local"),
+    [
+        ("ipv4:127.0.0.1:5", "127.0.0.1", True),
+        ("ipv4:10.1.2.3:5", "10.1.2.3", False),
+        ("ipv6:%5B::1%5D:5", "::1", True),
+        ("ipv6:%5B::ffff:127.0.0.1%5D:5", "::ffff:127.0.0.1", True),
+        ("ipv6:%5B2001:db8::1%5D:443", "2001:db8::1", False),
+        ("ipv6:%5Bfe80::1%25eth0%5D:5", "fe80::1%eth0", False),
+        ("unix:/run/weightcache/cpu.sock", None, True),
+        ("unix:", None, True),
+        ("unix-abstract:weightcache", None, True),
+        ("ipv4:not-an-address:5", None, False),
+        ("dns:localhost:5", None, False),
+    ],
+)
+def test_peer_strings_as_grpc_writes_them_are_parsed(
+    peer: str, address: str | None, local: bool
+) -> None:
+    got = peer_address(peer)
+    assert (None if got is None else str(got)) == (
+        None if address is None else str(ipaddress.ip_address(address))
+    )
+    assert peer_is_local(peer) is local
+
+
+@pytest.mark.skipif(not IPV6, reason="this host has no IPv6 loopback (::1)")
+def test_acquire_over_ipv6_loopback_with_mutual_tls_attaches(fleet: Fleet) -> None:
+    pki = fleet.pki  # skips without one
+    assert fleet.v6 is not None
+    address = f"[::1]:{tcp_port(fleet.v6)}"
+    with _tls_channel(address, pki, client_cert=True) as channel:
+        stub = pb_grpc.WeightCacheServiceStub(channel)
+        reply = stub.Acquire(acquire_request(fleet.tiny), timeout=20)
         stub.Release(pb.ReleaseRequest(lease_id=reply.lease.lease_id), timeout=20)
 
-    assert reply.lease.instance_id == restart.second_instance
-    assert reply.storage.shared_memory.path in _segments_of(restart.second_instance)
+    assert reply.lease.model == "tiny"
+    assert reply.storage.shared_memory.path in fleet.v6.segments()
+    assert get_model(fleet.v6.socket, "tiny").lease_count == 0
 
 
 # -- 4. bounds -----------------------------------------------------------------------

@@ -4,7 +4,8 @@
   verifies: owned by the daemon's user, not a symlink, not writable by group or others.
   The socket itself is 0600, or 0660 with ``--group``.
 - Shared-memory segments are 0600, or 0640 and owned by the group with ``--group``.
-- TCP needs TLS; plaintext TCP (``--insecure``) binds loopback addresses only.
+- TCP needs TLS; plaintext TCP (``--insecure``) binds loopback addresses only. Which RPCs
+  a TCP peer may call is :mod:`weightcache_service.authz`'s business.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import grp
 import ipaddress
 import os
+import pwd
 import stat
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,14 +43,19 @@ class Access:
         """Resolve ``--group``.
 
         Raises:
-            AccessError: no such group.
+            AccessError: no such group, or the daemon's user is neither root nor a member
+                of it (chown(2) lets an unprivileged owner give a file only to one of its
+                own groups).
         """
         if name is None:
             return cls()
         try:
-            return cls(grp.getgrnam(name).gr_gid)
+            gid = grp.getgrnam(name).gr_gid
         except KeyError:
             raise AccessError(f"no group named {name!r}") from None
+        if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+            raise AccessError(_not_member(gid))
+        return cls(gid)
 
     @property
     def folder_mode(self) -> int:
@@ -68,17 +76,21 @@ class Access:
         """Create or verify the socket's folder.
 
         Raises:
-            AccessError: the path is too long; the folder is a symlink, not a folder, owned
-                by another user, or writable by group or others.
+            AccessError: the absolute path (the one bound) is too long; the folder is a
+                symlink, not a folder, owned by another user, or writable by group or
+                others; the folder cannot be given to the group.
         """
-        if len(os.fsencode(socket)) > MAX_SOCKET_PATH:
-            raise AccessError(f"socket path is over {MAX_SOCKET_PATH} bytes: {socket}")
-        folder = os.path.dirname(os.path.abspath(socket))
+        bound = os.path.abspath(socket)
+        if len(os.fsencode(bound)) > MAX_SOCKET_PATH:
+            raise AccessError(
+                f"socket path is over {MAX_SOCKET_PATH} bytes once made absolute "
+                f"({len(os.fsencode(bound))} bytes): {bound}; use a shorter --socket"
+            )
+        folder = os.path.dirname(bound)
         if not os.path.lexists(folder):
             os.makedirs(folder, mode=0o755, exist_ok=True)
             os.chmod(folder, self.folder_mode)
-            if self.gid is not None:
-                os.chown(folder, -1, self.gid)
+            self._chgrp(folder)
         info = os.lstat(folder)
         if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
             raise AccessError(f"socket folder {folder} is a symlink or not a folder")
@@ -86,7 +98,7 @@ class Access:
             raise AccessError(f"socket folder {folder} belongs to uid {info.st_uid}, not us")
         if self.gid is not None and (info.st_gid != self.gid or info.st_mode & 0o050 != 0o050):
             # Our folder (say systemd's RuntimeDirectory, 0700): open it to the group.
-            os.chown(folder, -1, self.gid)
+            self._chgrp(folder)
             os.chmod(folder, (stat.S_IMODE(info.st_mode) | 0o050) & ~0o022)
             info = os.lstat(folder)
         if info.st_mode & 0o022:
@@ -109,10 +121,36 @@ class Access:
             raise AccessError(f"{path} exists and is not a daemon's socket or lock file")
 
     def secure_path(self, path: str, mode: int) -> None:
-        """Set ``mode`` and, with a group, the group of a socket or segment."""
+        """Set ``mode`` and, with a group, the group of a socket or segment.
+
+        Raises:
+            AccessError: the daemon's user may not give the file to the group.
+        """
         os.chmod(path, mode)
-        if self.gid is not None:
+        self._chgrp(path)
+
+    def _chgrp(self, path: str) -> None:
+        if self.gid is None:
+            return
+        try:
             os.chown(path, -1, self.gid)
+        except PermissionError:
+            raise AccessError(f"cannot give {path} to the group: {_not_member(self.gid)}") from None
+
+
+def _not_member(gid: int) -> str:
+    try:
+        group = grp.getgrgid(gid).gr_name
+    except KeyError:
+        group = str(gid)
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = str(os.geteuid())
+    return (
+        f"--group {group}: the daemon's user {user} is not a member of group {group}; "
+        f"add {user} to {group} (and log in again) or run the daemon as root"
+    )
 
 
 def parse_listen(address: str) -> tuple[str, int]:
@@ -128,22 +166,42 @@ def parse_listen(address: str) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address or ``localhost``."""
+    """Whether ``host`` is a loopback address (IPv4-mapped ones included) or ``localhost``."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return _loopback(ipaddress.ip_address(host))
     except ValueError:
         return False
 
 
+def _loopback(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    # ::ffff:127.0.0.1 is IPv4 loopback seen through a dual-stack socket.
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def peer_address(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address of a gRPC peer string, or None for a non-IP peer or a malformed one.
+
+    gRPC names a peer by a URI (its ``grpc_sockaddr_to_uri``): ``ipv4:127.0.0.1:5``,
+    ``ipv6:%5B::1%5D:5`` (the brackets percent-encoded), ``unix:/path``,
+    ``unix-abstract:name``.
+    """
+    scheme, sep, rest = peer.partition(":")
+    if not sep or scheme not in ("ipv4", "ipv6"):
+        return None
+    try:
+        host = urllib.parse.urlsplit("//" + urllib.parse.unquote(rest)).hostname
+        return ipaddress.ip_address(host) if host else None
+    except ValueError:
+        return None
+
+
 def peer_is_local(peer: str) -> bool:
-    """Whether a gRPC peer string (``unix:...``, ``ipv4:127.0.0.1:5``, ``ipv6:[::1]:5``)
-    is on this host."""
-    kind, _, rest = peer.partition(":")
-    if kind == "unix":
+    """Whether a gRPC peer (see :func:`peer_address`) is on this host: a Unix socket or a
+    loopback address."""
+    if peer.startswith(("unix:", "unix-abstract:")):
         return True
-    if kind in ("ipv4", "ipv6"):
-        host = rest.rpartition(":")[0].strip("[]")
-        return is_loopback(host)
-    return False
+    ip = peer_address(peer)
+    return ip is not None and _loopback(ip)

@@ -128,6 +128,18 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument("--tls-key", default=None, metavar="PEM")
     daemon.add_argument("--tls-client-ca", default=None, metavar="PEM", help="mutual TLS")
     daemon.add_argument(
+        "--tls-client-subject",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="client certificate name (CN, SAN or CN=... subject) allowed; repeatable",
+    )
+    daemon.add_argument(
+        "--allow-unauthenticated-info",
+        action="store_true",
+        help="TCP peers without an allowed client certificate may list models and info",
+    )
+    daemon.add_argument(
         "--insecure", action="store_true", help="plaintext TCP, loopback addresses only"
     )
 
@@ -251,6 +263,8 @@ def _tcp(args: argparse.Namespace) -> TcpListener | None:
         key=args.tls_key,
         client_ca=args.tls_client_ca,
         insecure=args.insecure,
+        client_subjects=tuple(args.tls_client_subject),
+        unauthenticated_info=args.allow_unauthenticated_info,
     )
 
 

@@ -29,6 +29,7 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
 from weightcache_service.arena import SEGMENT_PREFIX, remove_stale_segments
+from weightcache_service.authz import AuthorizationInterceptor, Policy
 from weightcache_service.backend import cpu_backend, cuda_backend, resolve_device
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.leases import LeaseTable
@@ -54,8 +55,14 @@ class TcpListener:
         address: ``HOST:PORT``.
         cert, key: PEM server certificate chain and private key (paths).
         client_ca: PEM CA bundle (path); when set, clients must present a certificate
-            it signed (mutual TLS).
+            it signed (mutual TLS), and such peers are authenticated.
         insecure: plaintext, allowed only on a loopback address.
+        client_subjects: ``--tls-client-subject``: certificate names (common name,
+            subject alternative name or ``CN=...`` subject) allowed every RPC; empty:
+            any certificate ``client_ca`` signed.
+        unauthenticated_info: ``--allow-unauthenticated-info``: peers without an allowed
+            certificate may call GetServerInfo, ListModels and GetModel (see
+            :mod:`weightcache_service.authz`).
     """
 
     address: str
@@ -63,15 +70,28 @@ class TcpListener:
     key: str | None = None
     client_ca: str | None = None
     insecure: bool = False
+    client_subjects: tuple[str, ...] = ()
+    unauthenticated_info: bool = False
+
+    @property
+    def policy(self) -> Policy:
+        """What TCP peers may call."""
+        return Policy(
+            mutual_tls=self.client_ca is not None and not self.insecure,
+            subjects=frozenset(self.client_subjects),
+            unauthenticated_info=self.unauthenticated_info,
+        )
 
     def bind(self, server: grpc.aio.Server) -> int:
         """Add the port to ``server``; returns the port bound.
 
         Raises:
             AccessError: plaintext on a non-loopback address, TLS without cert and key,
-                or unreadable PEM files.
+                ``client_subjects`` without ``client_ca``, or unreadable PEM files.
         """
         host, _ = parse_listen(self.address)
+        if self.client_subjects and (self.insecure or not self.client_ca):
+            raise AccessError("--tls-client-subject needs --tls-client-ca (mutual TLS)")
         if self.insecure:
             if not is_loopback(host):
                 raise AccessError(f"--insecure TCP only on loopback, not {host}")
@@ -193,12 +213,14 @@ class Daemon:
             log.warning("removed a dead daemon's segment", path=path)
 
     async def _start_server(self, socket: str) -> grpc.aio.Server:
+        tcp = self.config.tcp
         server = grpc.aio.server(
+            interceptors=[AuthorizationInterceptor(tcp.policy if tcp else Policy())],
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         pb_grpc.add_WeightCacheServiceServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

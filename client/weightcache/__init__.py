@@ -37,6 +37,7 @@ if _typing.TYPE_CHECKING:
         RecipeError,
         RemoteError,
         ResourceExhaustedError,
+        UnauthenticatedError,
         UntrustedSocketError,
         WeightCacheError,
     )
@@ -79,6 +80,7 @@ _SOURCES = {
     "RecipeError": "weightcache._errors",
     "RemoteError": "weightcache._errors",
     "ResourceExhaustedError": "weightcache._errors",
+    "UnauthenticatedError": "weightcache._errors",
     "UntrustedSocketError": "weightcache._errors",
     "WeightCacheError": "weightcache._errors",
     "Fingerprint": "weightcache._fingerprint",
@@ -139,6 +141,7 @@ __all__ = [
     "TPPlan",
     "TensorInfo",
     "TensorSpec",
+    "UnauthenticatedError",
     "UntrustedSocketError",
     "WeightCacheError",
     "__version__",

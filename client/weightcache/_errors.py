@@ -23,11 +23,13 @@ Hierarchy::
         ├── LeaseNotFoundError          the lease is unknown to this daemon instance
         ├── LeasesActiveError           Evict without force while leases are live
         ├── ResourceExhaustedError      the model does not fit the memory budget
-        ├── PermissionDeniedError       remote Preload is off, or the path is not allowed
+        ├── PermissionDeniedError       remote Preload is off, the path is not allowed, or a
+        │                               TCP client certificate is not in the allow-list
         ├── InvalidArgumentError        a request field is malformed (``field``)
         ├── ModelExistsError            Preload of a model already held
         ├── DrainingError               the daemon is shutting down
-        └── NotSameHostError            Acquire over TCP from another host
+        ├── NotSameHostError            Acquire over TCP from another host
+        └── UnauthenticatedError        an RPC over TCP that needs a client certificate
 """
 
 from __future__ import annotations
@@ -170,7 +172,9 @@ class ResourceExhaustedError(RemoteError):
 
 
 class PermissionDeniedError(RemoteError):
-    """Remote Preload is off, or the path lies outside every allowed model root."""
+    """Remote Preload is off, or the path lies outside every allowed model root; or a TCP
+    peer's client certificate names no subject in the daemon's ``--tls-client-subject``
+    list (``metadata["method"]`` names the RPC refused)."""
 
     reason = "PERMISSION_DENIED"
 
@@ -199,6 +203,14 @@ class NotSameHostError(RemoteError):
     reason = "NOT_SAME_HOST"
 
 
+class UnauthenticatedError(RemoteError):
+    """A TCP peer without a verified client certificate called an RPC that needs one
+    (anything but health, and the read-only RPCs the operator may open);
+    ``metadata["method"]`` names the RPC. Use the Unix socket, or mutual TLS."""
+
+    reason = "UNAUTHENTICATED"
+
+
 _REMOTE_BY_REASON: dict[str, type[WeightCacheError]] = {
     cls.reason: cls
     for cls in (
@@ -214,6 +226,7 @@ _REMOTE_BY_REASON: dict[str, type[WeightCacheError]] = {
         ModelExistsError,
         DrainingError,
         NotSameHostError,
+        UnauthenticatedError,
         InvalidCheckpointError,
     )
 }
