@@ -1204,7 +1204,7 @@ def test_every_rpc_has_an_authorization_rule() -> None:
     service = pb.DESCRIPTOR.services_by_name["WeightCacheService"]
     methods = {f"/{service.full_name}/{m.name}" for m in service.methods}
     assert methods <= set(RULES)
-    assert {m.rpartition("/")[2] for m in RULES} == set(ALL_RPCS)
+    assert {m.rpartition("/")[2] for m in RULES} == {*ALL_RPCS, "Watch"}
 
 
 def test_unix_socket_peer_may_call_every_rpc(fleet: Fleet) -> None:
