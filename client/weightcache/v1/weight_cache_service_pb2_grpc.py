@@ -32,6 +32,10 @@ class WeightCacheServiceStub:
     the recipe it would apply, its placement), calls Acquire with it, maps the returned
     storage, builds one tensor per TensorView, and keeps its lease alive over one KeepAlive
     stream per process until it calls Release.
+
+    Over TCP, only peers with a client certificate the daemon's CA signed (mutual TLS) may
+    call more than grpc.health.v1; others get UNAUTHENTICATED, or PERMISSION_DENIED when the
+    certificate's subject is not allowed (SECURITY.md, "Authorization model").
     """
 
     def __init__(self, channel):
@@ -89,6 +93,10 @@ class WeightCacheServiceServicer:
     the recipe it would apply, its placement), calls Acquire with it, maps the returned
     storage, builds one tensor per TensorView, and keeps its lease alive over one KeepAlive
     stream per process until it calls Release.
+
+    Over TCP, only peers with a client certificate the daemon's CA signed (mutual TLS) may
+    call more than grpc.health.v1; others get UNAUTHENTICATED, or PERMISSION_DENIED when the
+    certificate's subject is not allowed (SECURITY.md, "Authorization model").
     """
 
     def Preload(self, request, context):
@@ -212,6 +220,10 @@ class WeightCacheService:
     the recipe it would apply, its placement), calls Acquire with it, maps the returned
     storage, builds one tensor per TensorView, and keeps its lease alive over one KeepAlive
     stream per process until it calls Release.
+
+    Over TCP, only peers with a client certificate the daemon's CA signed (mutual TLS) may
+    call more than grpc.health.v1; others get UNAUTHENTICATED, or PERMISSION_DENIED when the
+    certificate's subject is not allowed (SECURITY.md, "Authorization model").
     """
 
     @staticmethod
