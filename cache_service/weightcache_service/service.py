@@ -400,6 +400,10 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         for lease_id in request.lease_ids:
             lease = self.leases.renew(lease_id[:MAX_ID_CHARS], session)
             statuses.append(self._lease_status(lease_id, lease))
+        if any(status.state == pb.LEASE_STATE_NOT_FOUND for status in statuses):
+            # A named lease may have expired since the last reap: end it now and free what
+            # only it held, rather than leave that to the next reaper tick.
+            self.reap()
         return pb.KeepAliveResponse(instance_id=self.instance_id, leases=statuses)
 
     def _lease_status(self, lease_id: str, lease: Lease | None) -> pb.LeaseStatus:
@@ -421,7 +425,8 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         lease = self.leases.release(request.lease_id)
         if lease is not None:
             log.info("released", model=lease.model, lease=lease.lease_id[:8])
-            self._free_evicted()
+        # Also when the lease had expired unreaped (release returned None): free what it held.
+        self.reap()
         return pb.ReleaseResponse()
 
     @_unary
