@@ -1111,12 +1111,25 @@ INVALID: dict[str, tuple[str, Callable[[Fleet], Any], str]] = {
     "preload-257-plugins": (
         "Preload",
         _preload_request(plugins=[pb.RecipePlugin(name=f"p{i}") for i in range(257)]),
-        "recipe",
+        "recipe.plugins",
     ),
     "preload-257-tp-rules": (
         "Preload",
         _preload_request(tp_rules=[pb.TensorParallelRule(pattern="*", style="replicate")] * 257),
-        "recipe",
+        "recipe.tp_rules",
+    ),
+    "preload-tp-pattern-257-chars": (
+        "Preload",
+        _preload_request(tp_rules=[pb.TensorParallelRule(pattern="*" * 257, style="colwise")]),
+        "recipe.tp_rules",
+    ),
+    "preload-tp-patterns-4097-chars": (
+        "Preload",
+        _preload_request(
+            tp_rules=[pb.TensorParallelRule(pattern="a*" * 128, style="colwise")] * 16
+            + [pb.TensorParallelRule(pattern="b", style="colwise")]
+        ),
+        "recipe.tp_rules",
     ),
     "preload-unknown-level": (
         "Preload",

@@ -37,7 +37,7 @@ from weightcache._fingerprint import (
 )
 from weightcache._plugins import PluginStep
 from weightcache._recipe import Pipeline, Placement, Recipe, parse_dtype
-from weightcache._tp import TPPlan
+from weightcache._tp import TPPlan, over_bounds
 from weightcache._version import PROTOCOL_VERSION, __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
@@ -245,9 +245,15 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             await abort(context, err)
 
     def _allowed_recipe(self, message: pb.Recipe) -> Recipe:
-        if len(message.plugins) > MAX_RECIPE_ITEMS or len(message.tp_rules) > MAX_RECIPE_ITEMS:
+        if len(message.plugins) > MAX_RECIPE_ITEMS:
             raise InvalidArgumentError(
-                f"over {MAX_RECIPE_ITEMS} plugins or rules", metadata={"field": "recipe"}
+                f"over {MAX_RECIPE_ITEMS} plugins", metadata={"field": "recipe.plugins"}
+            )
+        # Bounded before anything is compiled: matching a large plan costs daemon CPU.
+        too_large = over_bounds(rule.pattern for rule in message.tp_rules)
+        if too_large is not None:
+            raise InvalidArgumentError(
+                f"recipe.tp_rules: {too_large}", metadata={"field": "recipe.tp_rules"}
             )
         steps = []
         for plugin in message.plugins:
