@@ -184,6 +184,18 @@ def test_expired_lease_is_gone_before_it_is_reaped(table: LeaseTable, clock: Fak
     assert table.for_model("m") == [again]
 
 
+def test_end_if_expired_ends_only_an_expired_lease(table: LeaseTable, clock: FakeClock) -> None:
+    lease = table.grant("m", 2.0, "r", pid=1)
+
+    assert table.end_if_expired(lease.lease_id) is None
+    assert table.get(lease.lease_id) is lease
+    clock.advance(2.0)
+    assert table.end_if_expired(lease.lease_id) is lease
+    assert table.end_if_expired(lease.lease_id) is None
+    assert table.end_if_expired("never-granted") is None
+    assert (len(table), table.reap()) == (0, [])
+
+
 def test_release_of_an_expired_lease_removes_it_and_returns_none(
     table: LeaseTable, clock: FakeClock
 ) -> None:

@@ -147,6 +147,15 @@ class LeaseTable:
         lease.session = session
         return lease
 
+    def end_if_expired(self, lease_id: str) -> Lease | None:
+        """End and return the lease if its TTL or revoke deadline has passed (as :meth:`reap`
+        does for all), so that a caller naming it can free what it held; else ``None``."""
+        lease = self._leases.get(lease_id)
+        if lease is None or not self._over(lease, self.clock()):
+            return None
+        self.release(lease_id)
+        return lease
+
     def release(self, lease_id: str) -> Lease | None:
         """End a lease; returns it, or ``None`` when it was not live (idempotent).
 

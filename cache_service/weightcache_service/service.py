@@ -403,14 +403,22 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
 
     def _renew(self, request: pb.KeepAliveRequest, session: int) -> pb.KeepAliveResponse:
         statuses = []
+        expired = False
         for lease_id in request.lease_ids:
             lease = self.leases.renew(lease_id[:MAX_ID_CHARS], session)
+            # Expired since the last reap: gone now (NOT_FOUND), and what only it held is
+            # freed now rather than at the next reaper tick.
+            expired |= lease is None and self._end_if_expired(lease_id[:MAX_ID_CHARS])
             statuses.append(self._lease_status(lease_id, lease))
-        if any(status.state == pb.LEASE_STATE_NOT_FOUND for status in statuses):
-            # A named lease may have expired since the last reap: end it now and free what
-            # only it held, rather than leave that to the next reaper tick.
-            self.reap()
+        if expired:
+            self._free_evicted()
         return pb.KeepAliveResponse(instance_id=self.instance_id, leases=statuses)
+
+    def _end_if_expired(self, lease_id: str) -> bool:
+        lease = self.leases.end_if_expired(lease_id)
+        if lease is not None:
+            log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
+        return lease is not None
 
     def _lease_status(self, lease_id: str, lease: Lease | None) -> pb.LeaseStatus:
         if lease is None:
@@ -428,11 +436,12 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReleaseResponse:
         _check_len("lease_id", request.lease_id, MAX_ID_CHARS)
+        expired = self._end_if_expired(request.lease_id)
         lease = self.leases.release(request.lease_id)
         if lease is not None:
             log.info("released", model=lease.model, lease=lease.lease_id[:8])
-        # Also when the lease had expired unreaped (release returned None): free what it held.
-        self.reap()
+        if lease is not None or expired:
+            self._free_evicted()
         return pb.ReleaseResponse()
 
     @_unary
