@@ -1388,14 +1388,16 @@ def test_fleet_is_still_serving(fleet: Fleet) -> None:
 
 #: Longest a GetServerInfo may take while a heavy Preload runs (generous: a loaded machine).
 RESPONSIVE_S = 0.5
-#: Issue 9 item 7: a worst case the bounds allow, 16 rules of 256 characters (4096 in all) of
-#: many stars each, the last one matching the down projections.
+#: Issue 9 item 7: a worst case the bounds allow: 4096 pattern characters, 15 patterns of 256
+#: (the longest allowed) of many stars each that match nothing, one of 234, and last the
+#: one matching the down projections.
 _HOSTILE = "*a" * 127 + "*"
 WORST_ALLOWED_RULES = [
     *(
         pb.TensorParallelRule(pattern=_HOSTILE + chr(ord("c") + i), style="rowwise")
         for i in range(15)
     ),
+    pb.TensorParallelRule(pattern=_HOSTILE[:233] + "z", style="rowwise"),
     pb.TensorParallelRule(pattern="layers.*.mlp.down_proj", style="colwise"),
 ]
 #: What issue 9 item 7 sent: about 2 MB of patterns.
@@ -1446,6 +1448,7 @@ def test_daemon_stays_responsive_while_a_heavy_tp_plan_is_preloaded(
     model = _many_tensors(roots / "many")
     daemon = daemons.start(args=["--allow-remote-preload", "--model-root", str(roots)])
     rules = WORST_ALLOWED_RULES if case == "worst-allowed" else OVER_LIMIT_RULES
+    assert sum(len(r.pattern) for r in WORST_ALLOWED_RULES) == 4096
     request = pb.PreloadRequest(
         path=str(model),
         recipe=pb.Recipe(tp_rules=rules),
