@@ -5,9 +5,9 @@ advancing a fake clock instead of sleeping. A lease ends on Release, when the Ke
 stream it was bound to closes (the worker died), or when its TTL passes unrenewed.
 
 As in etcd, a lease whose TTL (or revoke deadline) has passed is gone at that moment, not
-at the next :meth:`LeaseTable.reap`: no method returns, renews or counts it any more, and
-only ``reap`` (which the daemon runs before it answers about leases) removes and reports it,
-so that whatever only it held is freed.
+at the next :meth:`LeaseTable.reap`: no method returns, renews or counts it any more. It is
+removed, and handed back so that the daemon frees whatever only it held, by ``reap`` (the
+daemon's periodic reaper) or by ``end_if_expired`` (when a KeepAlive or Release names it).
 """
 
 from __future__ import annotations
