@@ -159,12 +159,14 @@ class RecipeWorker(Worker):
         *,
         key: str = "m",
         torch_dtype: str | None = None,
+        pretrained: bool = False,
         **kwargs: Any,
     ) -> dict[str, Any]:
         """In the worker: build a ``kind`` (``bert`` or ``llama``) module from the folder's
         config, ``weightcache.load_into`` it (``kwargs``: socket, ...), and build a second
         one from ``load_from_disk`` + ``weightcache._module.assign`` with the same dtype;
-        run both forward and save ``{"cache": out, "disk": out}`` to ``dump``."""
+        run both forward and save ``{"cache": out, "disk": out}`` to ``dump`` (with
+        ``pretrained``, also ``"pretrained"``: transformers' ``from_pretrained``)."""
         return self.request(
             "module",
             timeout=WORKER_TIMEOUT,
@@ -172,6 +174,7 @@ class RecipeWorker(Worker):
             kind=kind,
             path=str(path),
             torch_dtype=torch_dtype,
+            pretrained=pretrained,
             kwargs=kwargs,
             dump=str(dump),
         )

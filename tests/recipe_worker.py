@@ -14,7 +14,9 @@ Commands (``key`` names one loaded result):
   module from the folder's config.json, ``weightcache.load_into`` it, build another from
   ``load_from_disk`` + ``weightcache._module.assign`` with the same dtype, run both on a
   fixed input, save ``{"cache": output, "disk": output}`` to ``dump``; reply with where
-  the weights came from and which parameters are one object / share bytes.
+  the weights came from, which parameters are one object / share bytes, and the warnings
+  each path logged; with ``pretrained``, also run ``transformers``' ``from_pretrained``
+  of the folder and save its output as ``"pretrained"``.
 - ``close {key}``, ``close_all {}``: ``LoadedWeights.close()``.
 """
 
@@ -27,6 +29,7 @@ from typing import Any, TextIO
 
 import torch
 from safetensors.torch import save_file
+from structlog.testing import capture_logs
 from worker_common import Handler, describe, in_shared_memory, protocol_out, serve_commands
 
 import weightcache
@@ -82,6 +85,22 @@ def build_module(kind: str, path: str) -> torch.nn.Module:
     else:
         raise ValueError(f"unknown module kind {kind!r}")
     return model.eval()
+
+
+def from_pretrained(kind: str, path: str) -> torch.nn.Module:
+    """The module as ``transformers`` itself loads the folder (the reference)."""
+    import transformers
+
+    model_class = transformers.BertModel if kind == "bert" else transformers.LlamaForCausalLM
+    model: torch.nn.Module = model_class.from_pretrained(path)
+    return model.eval()
+
+
+def warnings(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The warning entries of structlog's ``capture_logs``, as JSON."""
+    return [
+        {"event": e["event"], "names": e.get("names")} for e in logs if e["log_level"] == "warning"
+    ]
 
 
 def forward(kind: str, path: str, model: torch.nn.Module) -> torch.Tensor:
@@ -152,15 +171,19 @@ class WorkerState:
         kind, path, key = cmd["kind"], cmd["path"], cmd["key"]
         dtype = getattr(torch, cmd["torch_dtype"]) if cmd.get("torch_dtype") else None
         cached = build_module(kind, path)
-        weights = weightcache.load_into(cached, path, dtype=dtype, **cmd["kwargs"])
+        with capture_logs() as cache_logs:
+            weights = weightcache.load_into(cached, path, dtype=dtype, **cmd["kwargs"])
         self.weights[key] = weights
         self.modules[key] = cached
         from_disk = build_module(kind, path)
-        assign(from_disk, weightcache.load_from_disk(path, dtype=dtype).tensors)
+        with capture_logs() as disk_logs:
+            assign(from_disk, weightcache.load_from_disk(path, dtype=dtype).tensors)
         outputs = {
             "cache": forward(kind, path, cached).contiguous(),
             "disk": forward(kind, path, from_disk).contiguous(),
         }
+        if cmd.get("pretrained"):
+            outputs["pretrained"] = forward(kind, path, from_pretrained(kind, path)).contiguous()
         save_file(outputs, cmd["dump"])
         params = [p for _, p in cached.named_parameters()]
         return {
@@ -175,6 +198,8 @@ class WorkerState:
             "tied_by_data_ptr": groups(cached, lambda p: p.data_ptr()),
             "disk_tied_by_id": groups(from_disk, id),
             "requires_grad": sorted({p.requires_grad for p in params}),
+            "warnings": warnings(cache_logs),
+            "disk_warnings": warnings(disk_logs),
         }
 
     def close(self, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@
   their names, without reading them;
 - a sharded folder with stray ``.safetensors`` files the index does not name;
 - ``__metadata__`` preserved and exposed on both sides;
-- tied embeddings: stored once and tied in the module, or stored twice and served so.
+- tied embeddings: stored once and tied in the module, or stored twice and served so;
+  a distinct ``lm_head.weight`` under a tying config is untied, as ``from_pretrained`` does.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class Setup:
         meta: two shards + index (seed 4) with :data:`METADATA`.
         tied_once: a tied Llama saved by ``save_pretrained`` (the embedding once).
         tied_both: the same weights with ``lm_head.weight`` stored as a second copy.
+        tied_distinct: the same config (``tie_word_embeddings``) with an ``lm_head.weight``
+            of its own (other values than the embedding).
     """
 
     hub: HubRepo
@@ -84,6 +87,7 @@ class Setup:
     meta: Path
     tied_once: Path
     tied_both: Path
+    tied_distinct: Path
     daemon: Daemon
     worker: RecipeWorker
 
@@ -104,15 +108,20 @@ def setup(module_daemons: DaemonPool, tmp_path_factory: pytest.TempPathFactory) 
     assert LM_HEAD not in stored
     stored[LM_HEAD] = stored[EMBED].clone()
     save_file(stored, str(tied_both / SINGLE_FILE), metadata={"format": "pt"})
+    tied_distinct = base / "tied-distinct"
+    shutil.copytree(tied_once, tied_distinct)
+    gen = torch.Generator().manual_seed(9)
+    stored[LM_HEAD] = torch.randn(stored[EMBED].shape, generator=gen, dtype=stored[EMBED].dtype)
+    save_file(stored, str(tied_distinct / SINGLE_FILE), metadata={"format": "pt"})
 
     env = children_env(base / "hash-cache")
-    models = [hub.snapshot, stray, meta, tied_once, tied_both]
+    models = [hub.snapshot, stray, meta, tied_once, tied_both, tied_distinct]
     daemons = start_daemons(module_daemons, env, {"d": [str(m) for m in models]})
     workers = RecipeWorkerPool(base, env)
     worker = workers.start()
     try:
         wait_ready(daemons.values())
-        yield Setup(hub, stray, meta, tied_once, tied_both, daemons["d"], worker)
+        yield Setup(hub, stray, meta, tied_once, tied_both, tied_distinct, daemons["d"], worker)
     finally:
         workers.close()
 
@@ -283,10 +292,48 @@ def test_tied_embeddings_stay_one_parameter_after_load_into(
     assert reply["tied_by_id"] == [[EMBED, LM_HEAD]]
     assert reply["tied_by_data_ptr"] == [[EMBED, LM_HEAD]]
     assert reply["disk_tied_by_id"] == [[EMBED, LM_HEAD]]
+    assert (reply["warnings"], reply["disk_warnings"]) == ([], [])
     assert reply["params_in_shared_memory"] is True
     out = load_file(tmp_path / "out")
     assert out["cache"].shape == (1, 12, 128)
     assert_bitwise_equal({"logits": out["cache"]}, {"logits": out["disk"]})
+
+
+@pytest.mark.parametrize("path", ["cache", "disk"])
+def test_a_distinct_lm_head_is_untied_as_from_pretrained_does(
+    setup: Setup, worker: RecipeWorker, tmp_path: Path, path: str
+) -> None:
+    # Issue 9 item 9: the config ties, the checkpoint has its own head. transformers'
+    # from_pretrained warns and unties; load_into must do the same, from the daemon and
+    # from disk (a socket nobody serves: the fallback), and load_from_disk + assign too.
+    folder = setup.tied_distinct
+    stored = load_file(folder / SINGLE_FILE)
+    assert not torch.equal(stored[LM_HEAD], stored[EMBED])
+    socket = setup.daemon.socket if path == "cache" else str(tmp_path / "nobody.sock")
+
+    reply = worker.module("llama", folder, tmp_path / "out", socket=socket, pretrained=True)
+
+    assert reply["ok"], reply
+    assert reply["source"] == path
+    if path == "cache":
+        assert (reply["model"], reply["fallback_reason"]) == (folder.name, None)
+        assert reply["params_in_shared_memory"] is True
+    else:
+        assert reply["fallback_reason"]["code"] == "DAEMON_UNAVAILABLE"
+    assert (reply["tied_by_id"], reply["tied_by_data_ptr"], reply["disk_tied_by_id"]) == (
+        [],
+        [],
+        [],
+    )
+    # The fallback also warns that it is loading from disk; nothing else may be logged.
+    [warning] = [w for w in reply["warnings"] if w["event"] != "loading from disk"]
+    assert warning["names"] == [EMBED, LM_HEAD]
+    assert warning["event"].startswith("untied: the module ties these parameters")
+    assert reply["disk_warnings"] == [warning]
+    out = load_file(tmp_path / "out")
+    assert out["pretrained"].shape == (1, 12, 128)
+    assert_bitwise_equal({"logits": out["cache"]}, {"logits": out["pretrained"]})
+    assert_bitwise_equal({"logits": out["disk"]}, {"logits": out["pretrained"]})
 
 
 def test_a_checkpoint_storing_both_copies_is_served_as_stored(

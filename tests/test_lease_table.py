@@ -164,3 +164,56 @@ def test_revoked_lease_ends_at_its_deadline_even_when_renewed(
     clock.advance(1.0)
     assert table.reap() == [held]
     assert table.for_model("n") == [other]
+
+
+def test_expired_lease_is_gone_before_it_is_reaped(table: LeaseTable, clock: FakeClock) -> None:
+    # Issue 9 item 5: as in etcd, a lease past its TTL is gone; a KeepAlive naming it before
+    # the reaper runs must not revive it.
+    lease = table.grant("m", 2.0, "req-1", pid=1)
+    session = table.open_session()
+    clock.advance(2.0)
+
+    assert table.renew(lease.lease_id, session) is None
+    assert (lease.expire_at, lease.session) == (1002.0, None)
+    assert table.get(lease.lease_id) is None
+    assert table.for_model("m") == []
+    again = table.grant("m", 2.0, "req-1", pid=1)
+    assert again.lease_id != lease.lease_id
+    assert table.reap() == [lease]
+    assert table.reap() == []
+    assert table.for_model("m") == [again]
+
+
+def test_end_if_expired_ends_only_an_expired_lease(table: LeaseTable, clock: FakeClock) -> None:
+    lease = table.grant("m", 2.0, "r", pid=1)
+
+    assert table.end_if_expired(lease.lease_id) is None
+    assert table.get(lease.lease_id) is lease
+    clock.advance(2.0)
+    assert table.end_if_expired(lease.lease_id) is lease
+    assert table.end_if_expired(lease.lease_id) is None
+    assert table.end_if_expired("never-granted") is None
+    assert (len(table), table.reap()) == (0, [])
+
+
+def test_release_of_an_expired_lease_removes_it_and_returns_none(
+    table: LeaseTable, clock: FakeClock
+) -> None:
+    lease = table.grant("m", 2.0, "req-1", pid=1)
+    clock.advance(2.5)
+
+    assert table.release(lease.lease_id) is None
+    assert len(table) == 0
+    assert table.reap() == []
+
+
+def test_revoked_lease_past_its_deadline_is_not_renewed(
+    table: LeaseTable, clock: FakeClock
+) -> None:
+    lease = table.grant("m", 10.0, "a", pid=1)
+    table.revoke("m", clock.now + 3.0)
+    clock.advance(3.0)
+
+    assert table.renew(lease.lease_id, table.open_session()) is None
+    assert table.for_model("m") == []
+    assert table.reap() == [lease]

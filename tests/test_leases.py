@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import queue
 import signal
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
 import weightcache
+from tests.security_support import acquire_request
 from tests.support import (
     Checkpoints,
     DaemonPool,
@@ -27,6 +30,11 @@ SLACK = 0.5
 #: A TTL long enough that an expiry cannot explain a lease ending during a test.
 LONG_TTL = 30.0
 SHORT_TTL = 1.5
+#: Issue 9 item 5 revived 15 of 20 expired leases; 20 trials make a revival all but certain.
+EXPIRY_TRIALS = 20
+#: Seconds after a lease's expiry at which the KeepAlive naming it is sent: well inside the
+#: daemon's 0.2 s reaper interval, so the lease is usually expired but not yet reaped.
+PAST_EXPIRY = 0.02
 
 
 def test_killed_worker_ends_its_lease_and_evict_succeeds(
@@ -129,3 +137,67 @@ def test_daemon_killed_exit_policy_worker_exits_75(
     assert worker.proc.wait(timeout=validity + 5) == weightcache.EXIT_LEASE_LOST == 75
     assert time.monotonic() - killed_at <= validity + 5
     assert daemons.clean_after_crash(daemon.socket) == segments
+
+
+def test_keepalive_after_expiry_is_not_found_and_frees_the_evicting_model(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single])
+    ttl = 3.0
+    with service_stub(daemon.socket) as stub:
+        # Staggered, so each lease expires on its own and is one trial.
+        leases = []
+        for _ in range(EXPIRY_TRIALS):
+            leases.append(stub.Acquire(acquire_request(checkpoints.single, ttl=ttl), timeout=10))
+            time.sleep(0.05)
+        assert [reply.lease.ttl.ToNanoseconds() for reply in leases] == [3_000_000_000] * 20
+        # EVICTING: only these leases hold the model; the last one to end must free it.
+        evicted = stub.Evict(pb.EvictRequest(name="single", force=True), timeout=10)
+        assert evicted.model.lease_count == EXPIRY_TRIALS
+        assert get_model(daemon.socket, "single").state == pb.MODEL_STATE_EVICTING
+
+        requests: queue.Queue[pb.KeepAliveRequest | None] = queue.Queue()
+
+        def sent() -> Iterator[pb.KeepAliveRequest]:
+            while (request := requests.get()) is not None:
+                yield request
+
+        stream = stub.KeepAlive(sent(), timeout=60)
+        states = []
+        for reply in leases:
+            expiry = reply.lease.expire_time.ToNanoseconds() / 1e9
+            time.sleep(max(0.0, expiry + PAST_EXPIRY - time.time()))
+            requests.put(pb.KeepAliveRequest(lease_ids=[reply.lease.lease_id]))
+            [status] = next(stream).leases
+            assert status.lease_id == reply.lease.lease_id
+            states.append(pb.LeaseState.Name(status.state))
+        # Checked at once, before the reaper's next tick could have done it.
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.GetModel(pb.GetModelRequest(name="single"), timeout=10)
+        requests.put(None)
+        stream.cancel()
+
+    assert states == ["LEASE_STATE_NOT_FOUND"] * EXPIRY_TRIALS
+    failure = rpc_failure(raised.value)
+    assert (failure.code, failure.reason) == (grpc.StatusCode.NOT_FOUND, "MODEL_NOT_FOUND")
+    assert daemon.segments() == []
+
+
+def test_release_and_retried_acquire_do_not_revive_an_expired_lease(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single])
+    with service_stub(daemon.socket) as stub:
+        request = acquire_request(checkpoints.single, ttl=1.0, request_id="retry-1")
+        first = stub.Acquire(request, timeout=10)
+        expiry = first.lease.expire_time.ToNanoseconds() / 1e9
+        time.sleep(max(0.0, expiry + PAST_EXPIRY - time.time()))
+
+        # The retry with the same request_id gets a fresh lease, not the expired one.
+        retried = stub.Acquire(request, timeout=10)
+        assert retried.lease.lease_id != first.lease.lease_id
+        assert retried.lease.expire_time.ToNanoseconds() / 1e9 > expiry
+        stub.Release(pb.ReleaseRequest(lease_id=first.lease.lease_id), timeout=10)
+        assert get_model(daemon.socket, "single").lease_count == 1
+        stub.Release(pb.ReleaseRequest(lease_id=retried.lease.lease_id), timeout=10)
+        assert get_model(daemon.socket, "single").lease_count == 0

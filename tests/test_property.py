@@ -19,6 +19,7 @@ names, module names and globs, given as a ``TPPlan`` or as a plan file.
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
 import shutil
@@ -442,3 +443,44 @@ def test_attached_ranks_equal_the_disk_loads(served: Served, case: Case) -> None
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(dumps, ignore_errors=True)
     assert list_models(socket) == []
+
+
+def _fnmatch_style(rules: tuple[tuple[str, str], ...], name: str) -> str:
+    """The decision ``TPPlan.style_for`` made with ``fnmatch.fnmatchcase`` before issue 9."""
+    module = name.rpartition(".")[0]
+    for pattern, style in rules:
+        if (
+            fnmatch.fnmatchcase(name, pattern)
+            or fnmatch.fnmatchcase(module, pattern)
+            or fnmatch.fnmatchcase(module, "*." + pattern)
+        ):
+            return style
+    return "replicate"
+
+
+_CANONICAL = {alias: style for style, aliases in ALIASES.items() for alias in aliases}
+_GLOB = st.text(alphabet="ab.*?[]!-", max_size=10)
+_NAME = st.text(alphabet="ab.[]*-", max_size=12)
+
+
+@DISK
+@given(
+    rules=st.lists(st.tuples(_GLOB, st.sampled_from(sorted(ALIASES))), min_size=1, max_size=6),
+    names=st.lists(_NAME, min_size=1, max_size=8),
+    case=cases(),
+)
+def test_compiled_plan_decides_as_fnmatch(
+    rules: list[tuple[str, str]], names: list[str], case: Case
+) -> None:
+    # Issue 9 item 7: each plan is compiled once, without fnmatch's process-wide cache, and
+    # must still decide exactly as fnmatch.fnmatchcase did (random globs, and the plans and
+    # tensor names of the cases above).
+    for plan_rules, plan_names in (
+        (tuple(rules), names),
+        (tuple((p, _CANONICAL[s]) for p, s in case.rules), [t.name for t in case.tensors]),
+    ):
+        plan = weightcache.TPPlan(plan_rules)
+        cached = fnmatch._compile_pattern.cache_info().currsize
+        decided = [plan.style_for(name) for name in plan_names]
+        assert fnmatch._compile_pattern.cache_info().currsize == cached
+        assert decided == [_fnmatch_style(plan_rules, name) for name in plan_names]

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -86,6 +87,7 @@ from tests.support import (
     service_stub,
     shm_segments,
 )
+from weightcache._fingerprint import fingerprint_pb
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_address, peer_is_local
@@ -1414,12 +1416,25 @@ INVALID: dict[str, tuple[str, Callable[[Fleet], Any], str]] = {
     "preload-257-plugins": (
         "Preload",
         _preload_request(plugins=[pb.RecipePlugin(name=f"p{i}") for i in range(257)]),
-        "recipe",
+        "recipe.plugins",
     ),
     "preload-257-tp-rules": (
         "Preload",
         _preload_request(tp_rules=[pb.TensorParallelRule(pattern="*", style="replicate")] * 257),
-        "recipe",
+        "recipe.tp_rules",
+    ),
+    "preload-tp-pattern-257-chars": (
+        "Preload",
+        _preload_request(tp_rules=[pb.TensorParallelRule(pattern="*" * 257, style="colwise")]),
+        "recipe.tp_rules",
+    ),
+    "preload-tp-patterns-4097-chars": (
+        "Preload",
+        _preload_request(
+            tp_rules=[pb.TensorParallelRule(pattern="a*" * 128, style="colwise")] * 16
+            + [pb.TensorParallelRule(pattern="b", style="colwise")]
+        ),
+        "recipe.tp_rules",
     ),
     "preload-unknown-level": (
         "Preload",
@@ -1672,3 +1687,126 @@ def test_fleet_is_still_serving(fleet: Fleet) -> None:
     for daemon in (fleet.grouped, fleet.main):
         assert daemon.proc.poll() is None, daemon.log()
         assert health(daemon.socket) == "SERVING"
+
+
+#: Longest a GetServerInfo may take while a heavy Preload runs (generous: a loaded machine).
+RESPONSIVE_S = 0.5
+#: Issue 9 item 7: a worst case the bounds allow: 4096 pattern characters, 15 patterns of 256
+#: (the longest allowed) of many stars each that match nothing, one of 234, and last the
+#: one matching the down projections.
+_HOSTILE = "*a" * 127 + "*"
+WORST_ALLOWED_RULES = [
+    *(
+        pb.TensorParallelRule(pattern=_HOSTILE + chr(ord("c") + i), style="rowwise")
+        for i in range(15)
+    ),
+    pb.TensorParallelRule(pattern=_HOSTILE[:233] + "z", style="rowwise"),
+    pb.TensorParallelRule(pattern="layers.*.mlp.down_proj", style="colwise"),
+]
+#: What issue 9 item 7 sent: about 2 MB of patterns.
+OVER_LIMIT_RULES = [
+    pb.TensorParallelRule(pattern=("*a" * 4096) + f"*{i}", style="colwise") for i in range(256)
+]
+
+
+class _Prober:
+    """Calls GetServerInfo back to back from a thread and records each call's latency."""
+
+    def __init__(self, socket: str) -> None:
+        self.socket = socket
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        with service_stub(self.socket) as stub:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+                self.latencies.append(time.monotonic() - started)
+
+    def __enter__(self) -> _Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _many_tensors(folder: Path) -> Path:
+    tensors = {}
+    for layer in range(500):
+        for module in ("mlp.down_proj", "self_attn.a_proj.aaaaaaaa"):
+            name = f"model.layers.{layer}.{module}.weight"
+            tensors[name] = torch.tensor([layer, 1.0 + layer], dtype=torch.float32)
+    return _write(folder, tensors)
+
+
+@pytest.mark.parametrize("case", ["worst-allowed", "over-limit"])
+def test_daemon_stays_responsive_while_a_heavy_tp_plan_is_preloaded(
+    daemons: DaemonPool, tmp_path: Path, case: str
+) -> None:
+    roots = tmp_path / "roots"
+    model = _many_tensors(roots / "many")
+    daemon = daemons.start(args=["--allow-remote-preload", "--model-root", str(roots)])
+    rules = WORST_ALLOWED_RULES if case == "worst-allowed" else OVER_LIMIT_RULES
+    assert sum(len(r.pattern) for r in WORST_ALLOWED_RULES) == 4096
+    request = pb.PreloadRequest(
+        path=str(model),
+        recipe=pb.Recipe(tp_rules=rules),
+        placement=pb.Placement(tp_rank=1, tp_size=2),
+    )
+
+    with _Prober(daemon.socket) as prober, service_stub(daemon.socket) as stub:
+        time.sleep(0.2)
+        try:
+            answers = list(stub.Preload(request, timeout=60))
+            error = None
+        except grpc.RpcError as exc:
+            error = exc
+        time.sleep(0.2)
+
+    assert prober.latencies, "no GetServerInfo answered"
+    assert max(prober.latencies) < RESPONSIVE_S, sorted(prober.latencies)[-5:]
+    if case == "over-limit":
+        assert error is not None
+        failure = rpc_failure(error)
+        assert (failure.code, failure.reason) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_ARGUMENT",
+        )
+        assert failure.metadata == {"field": "recipe.tp_rules"}
+        with service_stub(daemon.socket) as stub:
+            assert list(stub.ListModels(pb.ListModelsRequest(), timeout=30).models) == []
+        return
+    assert error is None, error
+    assert (answers[-1].model, answers[-1].state) == ("many-tp1of2", pb.MODEL_STATE_READY)
+    held = get_model(daemon.socket, "many-tp1of2")
+    assert [(r.pattern, r.style) for r in held.recipe.tp_rules] == [
+        (r.pattern, r.style) for r in rules
+    ]
+    plan = weightcache.TPPlan(tuple((r.pattern, r.style) for r in rules))
+    fp = weightcache.compute_fingerprint(
+        weightcache.open_checkpoint(model),
+        weightcache.Recipe(tp_plan=plan),
+        weightcache.Placement(1, 2),
+    )
+    acquire = pb.AcquireRequest(
+        request_id=uuid.uuid4().hex,
+        fingerprint=fingerprint_pb(fp),
+        checkpoint_path=str(model),
+        pid=os.getpid(),
+    )
+    with service_stub(daemon.socket) as stub:
+        reply = stub.Acquire(acquire, timeout=30)
+        stub.Release(pb.ReleaseRequest(lease_id=reply.lease.lease_id), timeout=30)
+        stub.Evict(pb.EvictRequest(name="many-tp1of2"), timeout=30)
+    # Rank 1 of 2: each down projection is split (dim 0 halved), the rest whole: no hostile
+    # rule matched, the last rule did.
+    shapes = {view.name: list(view.shape) for view in reply.tensors}
+    assert shapes == {
+        f"model.layers.{layer}.{module}.weight": [1 if module == "mlp.down_proj" else 2]
+        for layer in range(500)
+        for module in ("mlp.down_proj", "self_attn.a_proj.aaaaaaaa")
+    }

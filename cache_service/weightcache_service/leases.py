@@ -3,6 +3,11 @@
 Times are read from an injected clock (monotonic seconds), so TTL behaviour is tested by
 advancing a fake clock instead of sleeping. A lease ends on Release, when the KeepAlive
 stream it was bound to closes (the worker died), or when its TTL passes unrenewed.
+
+As in etcd, a lease whose TTL (or revoke deadline) has passed is gone at that moment, not
+at the next :meth:`LeaseTable.reap`: no method returns, renews or counts it any more. It is
+removed, and handed back so that the daemon frees whatever only it held, by ``reap`` (the
+daemon's periodic reaper) or by ``end_if_expired`` (when a KeepAlive or Release names it).
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ class LeaseTable:
             InvalidArgumentError: ``request_id`` already holds a lease on another model.
             ResourceExhaustedError: the daemon, or this pid, holds the most leases allowed.
         """
-        existing = self._leases.get(self._by_request.get(request_id, ""))
+        existing = self._live(self._by_request.get(request_id, ""))
         if request_id and existing is not None:
             if existing.model != model:
                 raise InvalidArgumentError(
@@ -112,28 +117,54 @@ class LeaseTable:
         return lease
 
     def get(self, lease_id: str) -> Lease | None:
-        """The live lease with this id, or ``None``."""
-        return self._leases.get(lease_id)
+        """The live lease with this id, or ``None`` (also once it has expired)."""
+        return self._live(lease_id)
+
+    def _live(self, lease_id: str) -> Lease | None:
+        lease = self._leases.get(lease_id)
+        return lease if lease is not None and not self._over(lease, self.clock()) else None
+
+    @staticmethod
+    def _over(lease: Lease, now: float) -> bool:
+        return lease.expire_at <= now or (
+            lease.revoke_deadline is not None and lease.revoke_deadline <= now
+        )
 
     def open_session(self) -> int:
         """A fresh id for a KeepAlive stream."""
         return next(self._session_ids)
 
     def renew(self, lease_id: str, session: int) -> Lease | None:
-        """Extend a live lease by its TTL and bind it to ``session``; ``None`` if unknown."""
-        lease = self._leases.get(lease_id)
+        """Extend a live lease by its TTL and bind it to ``session``.
+
+        Returns ``None`` for an unknown lease and for one whose TTL or revoke deadline has
+        passed, even if :meth:`reap` has not removed it yet: an expired lease is never revived.
+        """
+        lease = self._live(lease_id)
         if lease is None:
             return None
         lease.expire_at = self.clock() + lease.ttl
         lease.session = session
         return lease
 
+    def end_if_expired(self, lease_id: str) -> Lease | None:
+        """End and return the lease if its TTL or revoke deadline has passed (as :meth:`reap`
+        does for all), so that a caller naming it can free what it held; else ``None``."""
+        lease = self._leases.get(lease_id)
+        if lease is None or not self._over(lease, self.clock()):
+            return None
+        self.release(lease_id)
+        return lease
+
     def release(self, lease_id: str) -> Lease | None:
-        """End a lease; returns it, or ``None`` when it was not live (idempotent)."""
+        """End a lease; returns it, or ``None`` when it was not live (idempotent).
+
+        An expired lease not yet reaped is removed too, but ``None`` is returned for it.
+        """
         lease = self._leases.pop(lease_id, None)
         if lease is not None and self._by_request.get(lease.request_id) == lease_id:
             del self._by_request[lease.request_id]
-        return lease
+        return lease if lease is not None and not self._over(lease, self.clock()) else None
 
     def end_session(self, session: int) -> list[Lease]:
         """End every lease bound to a KeepAlive stream that closed."""
@@ -145,19 +176,19 @@ class LeaseTable:
     def reap(self) -> list[Lease]:
         """End and return every lease whose TTL, or revoke deadline, has passed."""
         now = self.clock()
-        expired = [
-            lease
-            for lease in self._leases.values()
-            if lease.expire_at <= now
-            or (lease.revoke_deadline is not None and lease.revoke_deadline <= now)
-        ]
+        expired = [lease for lease in self._leases.values() if self._over(lease, now)]
         for lease in expired:
             self.release(lease.lease_id)
         return expired
 
     def for_model(self, model: str) -> list[Lease]:
-        """Live leases on a model."""
-        return [lease for lease in self._leases.values() if lease.model == model]
+        """Live leases on a model (expired ones not yet reaped are not live)."""
+        now = self.clock()
+        return [
+            lease
+            for lease in self._leases.values()
+            if lease.model == model and not self._over(lease, now)
+        ]
 
     def revoke(self, model: str, deadline: float) -> list[Lease]:
         """Mark every lease on ``model`` as revoking at ``deadline`` (clock seconds)."""

@@ -37,7 +37,7 @@ from weightcache._fingerprint import (
 )
 from weightcache._plugins import PluginStep
 from weightcache._recipe import Pipeline, Placement, Recipe, parse_dtype
-from weightcache._tp import TPPlan
+from weightcache._tp import TPPlan, over_bounds
 from weightcache._version import PROTOCOL_VERSION, __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
@@ -245,9 +245,15 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             await abort(context, err)
 
     def _allowed_recipe(self, message: pb.Recipe) -> Recipe:
-        if len(message.plugins) > MAX_RECIPE_ITEMS or len(message.tp_rules) > MAX_RECIPE_ITEMS:
+        if len(message.plugins) > MAX_RECIPE_ITEMS:
             raise InvalidArgumentError(
-                f"over {MAX_RECIPE_ITEMS} plugins or rules", metadata={"field": "recipe"}
+                f"over {MAX_RECIPE_ITEMS} plugins", metadata={"field": "recipe.plugins"}
+            )
+        # Bounded before anything is compiled: matching a large plan costs daemon CPU.
+        too_large = over_bounds(rule.pattern for rule in message.tp_rules)
+        if too_large is not None:
+            raise InvalidArgumentError(
+                f"recipe.tp_rules: {too_large}", metadata={"field": "recipe.tp_rules"}
             )
         steps = []
         for plugin in message.plugins:
@@ -397,10 +403,22 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
 
     def _renew(self, request: pb.KeepAliveRequest, session: int) -> pb.KeepAliveResponse:
         statuses = []
+        expired = False
         for lease_id in request.lease_ids:
             lease = self.leases.renew(lease_id[:MAX_ID_CHARS], session)
+            # Expired since the last reap: gone now (NOT_FOUND), and what only it held is
+            # freed now rather than at the next reaper tick.
+            expired |= lease is None and self._end_if_expired(lease_id[:MAX_ID_CHARS])
             statuses.append(self._lease_status(lease_id, lease))
+        if expired:
+            self._free_evicted()
         return pb.KeepAliveResponse(instance_id=self.instance_id, leases=statuses)
+
+    def _end_if_expired(self, lease_id: str) -> bool:
+        lease = self.leases.end_if_expired(lease_id)
+        if lease is not None:
+            log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
+        return lease is not None
 
     def _lease_status(self, lease_id: str, lease: Lease | None) -> pb.LeaseStatus:
         if lease is None:
@@ -418,9 +436,11 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReleaseResponse:
         _check_len("lease_id", request.lease_id, MAX_ID_CHARS)
+        expired = self._end_if_expired(request.lease_id)
         lease = self.leases.release(request.lease_id)
         if lease is not None:
             log.info("released", model=lease.model, lease=lease.lease_id[:8])
+        if lease is not None or expired:
             self._free_evicted()
         return pb.ReleaseResponse()
 

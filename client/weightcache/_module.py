@@ -25,10 +25,15 @@ def load_into(
 
     Parameters and buffers are *replaced* by the loaded tensors (no copy: with the daemon
     they are views of its arena). Parameters the module ties (one ``nn.Parameter`` reached
-    by two names, e.g. input embeddings and LM head) stay one object: the checkpoint's
-    tensor for any of the names is used for all of them. Parameters get
-    ``requires_grad=False``. Keep the returned object (and call ``close()`` when done):
-    it holds the lease.
+    by two names, e.g. input embeddings and LM head) stay one object when the checkpoint
+    holds one tensor for them, or bitwise equal tensors: that tensor is used for all the
+    names. When it holds differing tensors for them (a config saying
+    ``tie_word_embeddings`` over a checkpoint with its own ``lm_head.weight``), they are
+    untied: each name gets its own tensor, and a warning log names them. That is what
+    ``transformers``' ``from_pretrained`` does (``PreTrainedModel.tie_weights``, which
+    compares with ``torch.equal``; here bytes are compared, so ``-0.0`` and ``0.0`` differ).
+    Parameters get ``requires_grad=False``. Keep the returned object (and call ``close()``
+    when done): it holds the lease.
 
     Args:
         module: the model; it may live on the ``meta`` device.
@@ -76,19 +81,20 @@ def assign(
     missing: list[str] = []
     used: set[str] = set()
     for names, current, is_param in groups:
-        source = next((n for n in names if n in tensors), None)
-        if source is None:
+        present = [n for n in names if n in tensors]
+        if not present:
             if is_param:
                 missing.append(names[0])
             continue
-        tensor = tensors[source]
-        if tuple(tensor.shape) != tuple(current.shape):
-            raise ValueError(
-                f"{source}: checkpoint shape {tuple(tensor.shape)} != module shape "
-                f"{tuple(current.shape)}"
-            )
-        used.update(n for n in names if n in tensors)
-        plan.append((names, tensor, is_param))
+        for source in present:
+            tensor = tensors[source]
+            if tuple(tensor.shape) != tuple(current.shape):
+                raise ValueError(
+                    f"{source}: checkpoint shape {tuple(tensor.shape)} != module shape "
+                    f"{tuple(current.shape)}"
+                )
+        used.update(present)
+        plan.extend((part, tensors[part[0]], is_param) for part in _untie(names, tensors))
     unexpected = sorted(set(tensors) - used)
     if strict and (missing or unexpected):
         raise ValueError(
@@ -106,6 +112,35 @@ def assign(
             else:
                 owner._buffers[attr] = value
     return values
+
+
+def _untie(names: list[str], tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Split tied ``names`` into groups whose checkpoint tensors are bitwise equal; names the
+    checkpoint lacks join the first group. One group unless the checkpoint disagrees."""
+    parts: list[list[str]] = []
+    for name in (n for n in names if n in tensors):
+        same = next((p for p in parts if _bitwise_equal(tensors[p[0]], tensors[name])), None)
+        if same is None:
+            parts.append([name])
+        else:
+            same.append(name)
+    parts[0].extend(n for n in names if n not in tensors)
+    if len(parts) > 1:
+        log.warning(
+            "untied: the module ties these parameters but the checkpoint holds different "
+            "tensors for them; each gets its own, as transformers' from_pretrained does "
+            "(set tie_word_embeddings=False in the config to silence this)",
+            names=[n for n in names if n in tensors],
+        )
+    return parts
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True  # one tensor stored once and reached by both names
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _alias_groups(module: nn.Module) -> list[tuple[list[str], torch.Tensor, bool]]:

@@ -10,14 +10,21 @@ configs (``transformers.integrations.tensor_parallel``):
 Rules are glob patterns over module names (``layers.*.self_attn.q_proj``, matched against
 the tensor name without its last component, at any prefix such as ``model.``) or over whole
 tensor names. The first matching rule wins; a tensor no rule matches is replicated.
+
+A plan comes over the wire in a remote Preload, so its size is bounded (:data:`MAX_RULES`,
+:data:`MAX_PATTERN_CHARS`, :data:`MAX_PLAN_CHARS`) and each pattern is compiled once per plan
+with ``fnmatch.translate``, not through ``fnmatch.fnmatchcase``, whose process-wide cache keeps
+up to 32768 compiled patterns alive after the plan is gone.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +33,12 @@ from weightcache._errors import RecipeError
 from weightcache._pipeline import Node, TensorSpec
 
 STYLES = ("colwise", "rowwise", "replicate")
+#: Most rules in one plan (transformers' largest ``base_model_tp_plan`` has a few dozen).
+MAX_RULES = 256
+#: Longest pattern, in characters.
+MAX_PATTERN_CHARS = 256
+#: Most pattern characters in one plan, all rules together.
+MAX_PLAN_CHARS = 4096
 # transformers' variants that place the same bytes on a rank as the plain style.
 _ALIASES = {
     "colwise": "colwise",
@@ -46,12 +59,17 @@ class TPPlan:
 
     Raises:
         RecipeError: a style is not one of ``colwise``, ``rowwise``, ``replicate`` or a
-            transformers alias of them.
+            transformers alias of them; the plan is over :data:`MAX_RULES` rules, a pattern
+            over :data:`MAX_PATTERN_CHARS` characters, or all patterns together over
+            :data:`MAX_PLAN_CHARS`.
     """
 
     rules: tuple[tuple[str, str], ...]
 
     def __post_init__(self) -> None:
+        problem = over_bounds(pattern for pattern, _ in self.rules)
+        if problem is not None:
+            raise RecipeError(f"tensor-parallel plan: {problem}")
         for pattern, style in self.rules:
             if style not in STYLES:
                 raise RecipeError(f"tensor-parallel rule {pattern!r}: unsupported style {style!r}")
@@ -127,14 +145,45 @@ class TPPlan:
     def style_for(self, name: str) -> str:
         """The style of tensor ``name`` (``replicate`` when no rule matches)."""
         module = name.rpartition(".")[0]
-        for pattern, style in self.rules:
-            if (
-                fnmatch.fnmatchcase(name, pattern)
-                or fnmatch.fnmatchcase(module, pattern)
-                or fnmatch.fnmatchcase(module, "*." + pattern)
-            ):
+        for whole, module_at_any_prefix, style in self._compiled:
+            if whole.match(name) or module_at_any_prefix.match(module):
                 return style
         return "replicate"
+
+    @functools.cached_property
+    def _compiled(self) -> tuple[tuple[re.Pattern[str], re.Pattern[str], str], ...]:
+        # fnmatchcase(s, p) is translate(p) matched at the start of s; "p or *.p" on the
+        # module is one pattern, "(?s:.*\.)?" before p. Compiled once per plan, on first use
+        # (in the loading thread, not on the daemon's event loop).
+        return tuple(
+            (
+                re.compile(fnmatch.translate(pattern)),
+                re.compile(r"(?s:.*\.)?" + fnmatch.translate(pattern)),
+                style,
+            )
+            for pattern, style in self.rules
+        )
+
+
+def over_bounds(patterns: Iterable[str]) -> str | None:
+    """Why a plan with these patterns is too large to accept, or ``None`` if it is not.
+
+    The bounds keep compiling and matching a plan to milliseconds (a remote Preload carries
+    the plan): at most :data:`MAX_RULES` patterns of at most :data:`MAX_PATTERN_CHARS`
+    characters, :data:`MAX_PLAN_CHARS` in all.
+    """
+    total = 0
+    for count, pattern in enumerate(patterns, start=1):
+        total += len(pattern)
+        if count > MAX_RULES:
+            return f"over {MAX_RULES} rules"
+        if len(pattern) > MAX_PATTERN_CHARS:
+            return (
+                f"a pattern of {len(pattern)} characters is over the limit of {MAX_PATTERN_CHARS}"
+            )
+        if total > MAX_PLAN_CHARS:
+            return f"the patterns together are over {MAX_PLAN_CHARS} characters"
+    return None
 
 
 def shard_nodes(nodes: dict[str, Node], plan: TPPlan, rank: int, size: int) -> dict[str, Node]:
