@@ -168,6 +168,10 @@ class Checkpoint:
         while self._files:
             os.close(self._files.popitem()[1])
 
+    def __del__(self) -> None:
+        # A caller that never closes must not leak descriptors for the process's life.
+        self.close()
+
     def __enter__(self) -> Checkpoint:
         return self
 
@@ -365,11 +369,11 @@ def _parse_json(raw: bytes, where: str) -> object:
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except _DuplicateKeyError as exc:
-        raise InvalidCheckpointError(f"{where}: key {exc.args[0]!r} appears twice") from None
+        raise InvalidCheckpointError(f"{where} names {exc.args[0]!r} twice") from None
     except UnicodeDecodeError:
-        raise InvalidCheckpointError(f"{where}: not valid UTF-8") from None
+        raise InvalidCheckpointError(f"{where} is not valid UTF-8") from None
     except (ValueError, RecursionError) as exc:
-        raise InvalidCheckpointError(f"{where}: invalid JSON: {exc}") from None
+        raise InvalidCheckpointError(f"{where} is not valid JSON: {exc}") from None
 
 
 def _read_index(fd: int, index: Path) -> dict[str, str]:
