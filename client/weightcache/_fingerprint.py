@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from weightcache._checkpoint import Checkpoint, ShardInfo
-from weightcache._hashcache import file_sha256
+from weightcache._hashcache import fd_sha256
 from weightcache._recipe import Pipeline, Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -107,7 +107,7 @@ def _shard_identity(checkpoint: Checkpoint, shard: ShardInfo, level: Level) -> d
     if level == "sampled":
         identity["content_sha256"] = _sampled_digest(shard, checkpoint.fd(shard.name))
     elif level == "full":
-        identity["file_sha256"] = file_sha256(checkpoint.fd(shard.name), shard.path)
+        identity["file_sha256"] = fd_sha256(checkpoint.fd(shard.name), shard.path)
     return identity
 
 

@@ -29,7 +29,20 @@ def cache_dir() -> Path:
     return Path(base) / "weightcache" / "sha256"
 
 
-def file_sha256(fd: int, path: Path, cache: Path | None = None) -> str:
+def file_sha256(path: str | os.PathLike[str], cache: Path | None = None) -> str:
+    """Lowercase hex sha256 of a file's bytes (:func:`fd_sha256` of the file opened once).
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return fd_sha256(fd, Path(os.path.realpath(path)), cache)
+    finally:
+        os.close(fd)
+
+
+def fd_sha256(fd: int, path: Path, cache: Path | None = None) -> str:
     """Lowercase hex sha256 of an open file's bytes, from the hub blob name, the cache, or
     by reading the descriptor (then cached).
 
@@ -51,7 +64,7 @@ def file_sha256(fd: int, path: Path, cache: Path | None = None) -> str:
         cached = entry.read_text().strip()
         if _HEX64.match(cached):
             return cached
-    digest = _hash(fd)
+    digest = _hash(fd, path)
     _store(folder, entry, digest)
     return digest
 
@@ -59,7 +72,7 @@ def file_sha256(fd: int, path: Path, cache: Path | None = None) -> str:
 _CHUNK = 1 << 20
 
 
-def _hash(fd: int) -> str:
+def _hash(fd: int, path: Path) -> str:  # path: which file, for whoever traces reads
     digest = hashlib.sha256()
     offset = 0
     while chunk := os.pread(fd, _CHUNK, offset):
