@@ -648,6 +648,11 @@ def _empty_weight_map(folder: Path) -> None:
     (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": {}}))
 
 
+def _dtype_not_a_string(folder: Path) -> None:
+    header = _json({"a": {"dtype": [], "shape": [4], "data_offsets": [0, 16]}})
+    _raw_file(folder / SINGLE_FILE, header, bytes(16))
+
+
 def _sub_byte_dtype(folder: Path) -> None:
     _raw_file(folder / SINGLE_FILE, _json({"a": _entry("F4", [4], 0, 2)}), bytes(2))
 
@@ -676,6 +681,7 @@ MALFORMED: dict[str, Malformed] = {
     "trailing-bytes": Malformed(_trailing_bytes, "4 trailing bytes after the last tensor"),
     "empty-weight-map": Malformed(_empty_weight_map, "'weight_map' maps no tensor"),
     "sub-byte-dtype": Malformed(_sub_byte_dtype, "dtype F4 packs elements below a byte"),
+    "dtype-not-a-string": Malformed(_dtype_not_a_string, "unknown dtype []"),
 }
 
 

@@ -491,7 +491,7 @@ def _tensor_info(shard: str, key: str, entry: object, data_start: int) -> Tensor
     if not isinstance(entry, dict):
         raise InvalidCheckpointError(f"{where}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype in SUB_BYTE:
+    if isinstance(dtype, str) and dtype in SUB_BYTE:
         raise InvalidCheckpointError(
             f"{where}: dtype {dtype} packs elements below a byte; weightcache does not support it"
         )
