@@ -89,14 +89,32 @@ def preload_changing(
     thread = threading.Thread(target=run)
     thread.start()
     try:
-        deadline = time.monotonic() + REACHED_TIMEOUT
-        while not (pause / "reached").exists():
-            assert thread.is_alive(), f"the Preload ended before the pause: {outcome}"
-            assert time.monotonic() < deadline, "the load never reached the pause"
-            time.sleep(0.01)
+        wait_reached(pause, thread.is_alive)
         change()
     finally:
         (pause / "go").touch()
         thread.join(REACHED_TIMEOUT)
     assert not thread.is_alive(), "the Preload did not end"
     return outcome[0]
+
+
+def wait_reached(pause: Path, running: Callable[[], bool]) -> None:
+    """Wait until a load holds at the ``pause`` plugin.
+
+    Raises:
+        AssertionError: ``running()`` turned false first, or it took too long.
+    """
+    deadline = time.monotonic() + REACHED_TIMEOUT
+    while not (pause / "reached").exists():
+        assert running(), "the load ended before the pause"
+        assert time.monotonic() < deadline, "the load never reached the pause"
+        time.sleep(0.01)
+
+
+def rewrite_data_in_place(shard: Path) -> None:
+    """Same inode, same size, same header; every data byte different."""
+    raw = bytearray(shard.read_bytes())
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    with open(shard, "r+b") as fh:
+        fh.seek(data_start)
+        fh.write(bytes(b ^ 0xFF for b in raw[data_start:]))

@@ -13,7 +13,13 @@ import pytest
 from safetensors.torch import load_file
 
 import weightcache
-from tests.race_support import Racing, pause_step, preload_changing, racing_daemon
+from tests.race_support import (
+    Racing,
+    pause_step,
+    preload_changing,
+    racing_daemon,
+    rewrite_data_in_place,
+)
 from tests.recipe_support import recipe_json
 from tests.support import (
     MALFORMED,
@@ -210,15 +216,6 @@ def racing(daemons: DaemonPool, tmp_path: Path) -> Iterator[Racing]:
         yield race
 
 
-def _rewrite_data_in_place(shard: Path) -> None:
-    """Same inode, same size, same header; every data byte different."""
-    raw = bytearray(shard.read_bytes())
-    data_start = 8 + int.from_bytes(raw[:8], "little")
-    with open(shard, "r+b") as fh:
-        fh.seek(data_start)
-        fh.write(bytes(b ^ 0xFF for b in raw[data_start:]))
-
-
 @pytest.mark.parametrize(
     ("level", "level_name"),
     [(pb.FINGERPRINT_LEVEL_SAMPLED, "sampled"), (pb.FINGERPRINT_LEVEL_FULL, "full")],
@@ -234,7 +231,7 @@ def test_shard_rewritten_during_preload_is_never_served_as_cache(
     inode = os.stat(folder / SHARD_2).st_ino
 
     outcome = preload_changing(
-        racing.daemon.socket, folder, pause, lambda: _rewrite_data_in_place(folder / SHARD_2), level
+        racing.daemon.socket, folder, pause, lambda: rewrite_data_in_place(folder / SHARD_2), level
     )
 
     assert os.stat(folder / SHARD_2).st_ino == inode  # rewritten in place, not replaced
