@@ -366,9 +366,9 @@ class HashCounter:
         self.read: list[str] = []
         real = weightcache._hashcache._hash
 
-        def counting(path: Path) -> str:
+        def counting(fd: int, path: Path) -> str:
             self.read.append(os.path.basename(path))
-            digest: str = real(path)
+            digest: str = real(fd, path)
             return digest
 
         monkeypatch.setattr(weightcache._hashcache, "_hash", counting)

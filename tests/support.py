@@ -631,6 +631,35 @@ def _index_names_missing_shard(folder: Path) -> None:
     (folder / INDEX_FILE).write_text(json.dumps(index))
 
 
+def _duplicate_tensor_name(folder: Path) -> None:
+    entry = json.dumps(_entry("F32", [4], 0, 16))
+    header = f'{{"a": {entry}, "a": {entry}}}'.encode()
+    _raw_file(folder / SINGLE_FILE, header, bytes(16))
+
+
+def _gap_between_tensors(folder: Path) -> None:
+    header = _json({"a": _entry("F32", [4], 0, 16), "b": _entry("F32", [4], 24, 40)})
+    _raw_file(folder / SINGLE_FILE, header, bytes(40))
+
+
+def _trailing_bytes(folder: Path) -> None:
+    _raw_file(folder / SINGLE_FILE, _json({"a": _entry("F32", [4], 0, 16)}), bytes(20))
+
+
+def _empty_weight_map(folder: Path) -> None:
+    save_file({"a": torch.ones(4)}, str(folder / SHARD_1))
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+
+
+def _dtype_not_a_string(folder: Path) -> None:
+    header = _json({"a": {"dtype": [], "shape": [4], "data_offsets": [0, 16]}})
+    _raw_file(folder / SINGLE_FILE, header, bytes(16))
+
+
+def _sub_byte_dtype(folder: Path) -> None:
+    _raw_file(folder / SINGLE_FILE, _json({"a": _entry("F4", [4], 0, 2)}), bytes(2))
+
+
 @dataclass(frozen=True)
 class Malformed:
     """A way to break a checkpoint, and what the refusal must say about it."""
@@ -647,6 +676,15 @@ MALFORMED: dict[str, Malformed] = {
     "shape-bytes-disagree": Malformed(_shape_bytes_disagree, "needs 12"),
     "overlapping-offsets": Malformed(_overlapping_offsets, "overlaps another"),
     "index-missing-shard": Malformed(_index_names_missing_shard, "which is missing"),
+    # What the safetensors reader refuses too (its format rules; issue 9, item 10).
+    "duplicate-tensor-name": Malformed(_duplicate_tensor_name, "names 'a' twice"),
+    "gap-between-tensors": Malformed(
+        _gap_between_tensors, "8 bytes of no tensor before tensor 'b'"
+    ),
+    "trailing-bytes": Malformed(_trailing_bytes, "4 trailing bytes after the last tensor"),
+    "empty-weight-map": Malformed(_empty_weight_map, "'weight_map' maps no tensor"),
+    "sub-byte-dtype": Malformed(_sub_byte_dtype, "dtype F4 packs elements below a byte"),
+    "dtype-not-a-string": Malformed(_dtype_not_a_string, "unknown dtype []"),
 }
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Literal
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import weightcache
 from tests.support import (
@@ -20,6 +23,7 @@ from tests.support import (
     flipped,
     get_model,
 )
+from weightcache._dtypes import SUB_BYTE, TORCH_DTYPES
 
 Layout = Literal["single", "sharded"]
 EXPECTED_DTYPES = {
@@ -144,3 +148,85 @@ def test_two_workers_share_bytes_and_writes_stay_private(
     reply = later.load(folder, socket=daemon.socket, dump=tmp_path / "c0")
     assert_attached(reply)
     assert_bitwise_equal(load_file(tmp_path / "c0"), disk)
+
+
+# -- every dtype safetensors and torch share (issue 9, item 11) -----------------------
+
+
+def _safetensors_dtypes() -> dict[str, torch.dtype]:
+    """Every torch dtype that safetensors writes and reads back, by its safetensors name;
+    the sub-byte ones (refused by name, see ``MALFORMED["sub-byte-dtype"]``) left out."""
+    found = {}
+    dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about its experimental dtypes
+        path = Path(tmp) / "t.safetensors"
+        for dtype in sorted(dtypes, key=str):
+            try:
+                save_file({"t": torch.empty(0, dtype=dtype)}, str(path))
+                assert load_file(path)["t"].dtype == dtype
+            except Exception:
+                continue  # not a dtype safetensors handles
+            raw = path.read_bytes()
+            name = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["t"]["dtype"]
+            if name not in SUB_BYTE:
+                found[name] = dtype
+    return found
+
+
+SAFETENSORS_DTYPES = _safetensors_dtypes()
+
+
+def _dtype_tensors(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        # A bool byte other than 0 or 1 is not a bool; torch compares them as different.
+        bits = torch.randint(0, 2, (3 * 5,), dtype=torch.uint8, generator=gen)
+        return {"t": bits.view(dtype).reshape(3, 5), "s": torch.ones((), dtype=dtype)}
+    raw = torch.randint(0, 256, (3 * 5 * dtype.itemsize + dtype.itemsize,), generator=gen)
+    raw = raw.to(torch.uint8)
+    values = raw.view(dtype)
+    return {"t": values[:15].reshape(3, 5), "s": values[15].clone()}
+
+
+@pytest.fixture(scope="module")
+def dtype_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One single-file checkpoint per supported dtype, written by safetensors itself."""
+    base = tmp_path_factory.mktemp("dtypes")
+    folders = {}
+    for seed, (name, dtype) in enumerate(sorted(SAFETENSORS_DTYPES.items())):
+        folder = base / name.lower()
+        folder.mkdir()
+        save_file(_dtype_tensors(dtype, seed), str(folder / "model.safetensors"))
+        folders[name] = folder
+    return folders
+
+
+@pytest.fixture(scope="module")
+def dtype_daemon(module_daemons: DaemonPool, dtype_folders: dict[str, Path]) -> Daemon:
+    """Holds every checkpoint of :func:`dtype_folders` as stored."""
+    return module_daemons.start(list(dtype_folders.values()))
+
+
+@pytest.mark.parametrize("name", sorted(SAFETENSORS_DTYPES))
+def test_every_supported_dtype_round_trips_bitwise_on_both_paths(
+    dtype_daemon: Daemon,
+    dtype_folders: dict[str, Path],
+    workers: WorkerPool,
+    tmp_path: Path,
+    name: str,
+) -> None:
+    folder = dtype_folders[name]
+    expected = load_file(folder / "model.safetensors")
+    assert expected["t"].dtype == SAFETENSORS_DTYPES[name] == TORCH_DTYPES[name]
+
+    assert_bitwise_equal(weightcache.load_from_disk(folder).tensors, expected)
+    reply = workers.start().load(folder, socket=dtype_daemon.socket, dump=tmp_path / "w")
+    assert_attached(reply)
+    assert reply["model"] == name.lower()
+    assert_bitwise_equal(load_file(tmp_path / "w"), expected)
+
+
+def test_supported_dtypes_are_those_safetensors_and_torch_share() -> None:
+    assert TORCH_DTYPES == SAFETENSORS_DTYPES
+    assert {"C64", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"} <= set(TORCH_DTYPES)

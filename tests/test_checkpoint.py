@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+from concurrent import futures
 from pathlib import Path
 
 import pytest
 
 import weightcache
+from tests.race_support import pause_step, rewrite_data_in_place, wait_reached
+from tests.recipe_support import PLUGINS
 from tests.support import (
     MALFORMED,
     SHARD_1,
@@ -132,3 +136,34 @@ def test_recipe_and_placement_are_their_own_components(checkpoints: Checkpoints)
 
     assert cast.differing(base) == ["recipe"]
     assert rank1.differing(rank0) == ["placement"]
+
+
+# -- a shard rewritten while the disk path reads it (issue 9, item 2) -----------------
+
+
+def _open_fds() -> list[str]:
+    return sorted(os.listdir("/proc/self/fd"))
+
+
+def test_load_from_disk_refuses_a_shard_rewritten_while_it_is_read(
+    checkpoints: Checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoints.sharded, folder)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    recipe = weightcache.Recipe(plugins=(weightcache.PluginStep.parse(pause_step(pause)),))
+    fds = _open_fds()
+
+    with futures.ThreadPoolExecutor(1) as pool:
+        loading = pool.submit(weightcache.load_from_disk, folder, recipe=recipe)
+        wait_reached(pause, lambda: not loading.done())
+        rewrite_data_in_place(folder / SHARD_2)
+        (pause / "go").touch()
+        with pytest.raises(weightcache.InvalidCheckpointError) as raised:
+            loading.result(timeout=60)
+
+    assert raised.value.reason == "INVALID_CHECKPOINT"
+    assert f"{SHARD_2}: the file changed while it was being loaded" in str(raised.value)
+    assert _open_fds() == fds  # the shard files were closed

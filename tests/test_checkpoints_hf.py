@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -50,7 +51,10 @@ from tests.support import (
     assert_bitwise_equal,
     get_model,
     reference_tensors,
+    rpc_failure,
+    service_stub,
 )
+from weightcache.v1 import weight_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(TEST_TIMEOUT)
 
@@ -352,3 +356,33 @@ def test_a_checkpoint_storing_both_copies_is_served_as_stored(
     once = weightcache.load_from_disk(setup.tied_once).tensors
     assert sorted(got) == sorted([*once, LM_HEAD])
     assert_bitwise_equal({"w": got[EMBED]}, {"w": once[EMBED]})
+
+
+# -- remote Preload of a hub snapshot under --model-root (issue 9, item 3) -------------
+
+
+def test_remote_preload_of_a_hub_snapshot_follows_blob_links_only_inside_the_root(
+    setup: Setup, daemons: DaemonPool
+) -> None:
+    hub = setup.hub
+    request = pb.PreloadRequest(path=str(hub.snapshot))
+    cache_root = daemons.start(args=["--allow-remote-preload", "--model-root", str(hub.cache_root)])
+    snapshot_root = daemons.start(
+        args=["--allow-remote-preload", "--model-root", str(hub.snapshot)]
+    )
+
+    with service_stub(cache_root.socket) as stub:
+        replies = list(stub.Preload(request, timeout=60))
+    with service_stub(snapshot_root.socket) as stub, pytest.raises(grpc.RpcError) as raised:
+        list(stub.Preload(request, timeout=60))
+
+    assert (replies[-1].model, replies[-1].state) == (COMMIT, pb.MODEL_STATE_READY)
+    assert get_model(cache_root.socket, COMMIT).path == str(hub.snapshot.resolve())
+    failure = rpc_failure(raised.value)
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "PERMISSION_DENIED",
+    )
+    assert failure.metadata["path"] == str(hub.blobs[INDEX_FILE].resolve())  # opened first
+    with service_stub(snapshot_root.socket) as stub:
+        assert list(stub.ListModels(pb.ListModelsRequest(), timeout=10).models) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,49 @@ def test_second_daemon_on_a_socket_names_the_first(daemon: Daemon) -> None:
     assert f"pid {daemon.pid}" in second.stderr
     assert daemon.proc.poll() is None
     assert health(daemon.socket) == "SERVING"
+
+
+# -- the shipped systemd units (issue 9, item 3) --------------------------------------
+
+UNITS = sorted((Path(__file__).resolve().parent.parent / "deploy" / "systemd").glob("*.service"))
+
+
+def _service_section(unit: Path) -> dict[str, list[str]]:
+    """``[Service]`` of a unit file: each key with all its values, in order (a key may
+    repeat; systemd.syntax(7))."""
+    section: dict[str, list[str]] = {}
+    current = None
+    for raw in unit.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = line
+        elif current == "[Service]":
+            key, _, value = line.partition("=")
+            section.setdefault(key, []).append(value)
+    return section
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_systemd_units_run_as_a_dedicated_user_with_hardening(unit: Path) -> None:
+    service = _service_section(unit)
+
+    assert (service["User"], service["Group"]) == (["weightcache"], ["weightcache"])
+    assert "DynamicUser" not in service  # segments need a stable owner
+    assert "--group weightcache" in service["ExecStart"][0]
+    assert service["CapabilityBoundingSet"] == [""]
+    assert service["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6"]
+    assert service["ReadWritePaths"] == ["/dev/shm"]
+    assert service["RuntimeDirectoryMode"] == ["0750"]
+    for key, value in {
+        "ProtectSystem": "strict",
+        "NoNewPrivileges": "yes",
+        "PrivateTmp": "yes",
+        "ProtectHome": "read-only",
+        "SystemCallArchitectures": "native",
+        "LockPersonality": "yes",
+        "RestrictSUIDSGID": "yes",
+    }.items():
+        assert service[key] == [value], key
+    assert [p.name for p in UNITS] == ["weightcache.service", "weightcache@.service"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,8 +13,17 @@ import pytest
 from safetensors.torch import load_file
 
 import weightcache
+from tests.race_support import (
+    Racing,
+    pause_step,
+    preload_changing,
+    racing_daemon,
+    rewrite_data_in_place,
+)
+from tests.recipe_support import recipe_json
 from tests.support import (
     MALFORMED,
+    SHARD_2,
     Checkpoints,
     Daemon,
     DaemonPool,
@@ -24,6 +34,7 @@ from tests.support import (
     health,
     rpc_failure,
     service_stub,
+    shm_segments,
     write_malformed,
 )
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -194,3 +205,53 @@ def test_daemon_keeps_serving_after_malformed_preloads(
     assert_attached(reply)
     assert reply["model"] == "good"
     assert_bitwise_equal(load_file(tmp_path / "w"), weightcache.load_from_disk(roots.good).tensors)
+
+
+# -- a shard rewritten while it loads (issue 9, item 2) -------------------------------
+
+
+@pytest.fixture
+def racing(daemons: DaemonPool, tmp_path: Path) -> Iterator[Racing]:
+    with racing_daemon(daemons, tmp_path) as race:
+        yield race
+
+
+@pytest.mark.parametrize(
+    ("level", "level_name"),
+    [(pb.FINGERPRINT_LEVEL_SAMPLED, "sampled"), (pb.FINGERPRINT_LEVEL_FULL, "full")],
+)
+def test_shard_rewritten_during_preload_is_never_served_as_cache(
+    racing: Racing, checkpoints: Checkpoints, tmp_path: Path, level: int, level_name: str
+) -> None:
+    folder = racing.root / "model"
+    shutil.copytree(checkpoints.sharded, folder)
+    original = racing.base / "original"  # what a worker holds: the bytes before the rewrite
+    shutil.copytree(checkpoints.sharded, original)
+    pause = racing.base / "pause"
+    inode = os.stat(folder / SHARD_2).st_ino
+
+    outcome = preload_changing(
+        racing.daemon.socket, folder, pause, lambda: rewrite_data_in_place(folder / SHARD_2), level
+    )
+
+    assert os.stat(folder / SHARD_2).st_ino == inode  # rewritten in place, not replaced
+    assert isinstance(outcome, RpcFailure), outcome
+    assert (outcome.code, outcome.reason) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_CHECKPOINT",
+    )
+    assert f"{SHARD_2}: the file changed while it was being loaded" in outcome.message
+    [model] = models(racing.daemon.socket)
+    assert (model.name, model.state) == ("model", pb.MODEL_STATE_FAILED)
+    assert shm_segments(racing.daemon.tag) == []  # its arena is freed
+    reply = racing.worker.load(
+        original,
+        recipe=recipe_json(plugins=[pause_step(pause)]),
+        socket=racing.daemon.socket,
+        fingerprint_level=level_name,
+        dump=tmp_path / "w",
+    )
+    assert reply["ok"], reply
+    assert (reply["source"], reply["fallback_reason"]["code"]) == ("disk", "MODEL_FAILED")
+    assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)
+    assert health(racing.daemon.socket) == "SERVING"

@@ -468,7 +468,7 @@ def test_remote_preload_may_use_only_allowed_plugins(
 
 def _cache_key(path: Path) -> str:
     info = os.stat(path)
-    return f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}"
+    return f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}"
 
 
 def test_full_level_attaches_and_fills_the_hash_cache(

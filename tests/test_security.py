@@ -50,9 +50,11 @@ import torch
 from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import weightcache
+from tests.race_support import Racing, pause_step, preload_changing, racing_daemon
+from tests.recipe_support import recipe_json
 from tests.security_support import (
     CLIENT_NAME,
     NOBODY,
@@ -75,8 +77,11 @@ from tests.security_support import (
     write_go,
 )
 from tests.support import (
+    SHARD_2,
+    Checkpoints,
     Daemon,
     DaemonPool,
+    RpcFailure,
     assert_bitwise_equal,
     child_env,
     get_model,
@@ -1810,3 +1815,59 @@ def test_daemon_stays_responsive_while_a_heavy_tp_plan_is_preloaded(
         for layer in range(500)
         for module in ("mlp.down_proj", "self_attn.a_proj.aaaaaaaa")
     }
+
+
+# -- a shard swapped for a symlink while it loads (issue 9, item 3) --------------------
+
+
+@pytest.fixture
+def racing(daemons: DaemonPool, tmp_path: Path) -> Iterator[Racing]:
+    with racing_daemon(daemons, tmp_path) as race:
+        yield race
+
+
+SECRET = b"<0600 secret!!!>"
+
+
+def test_shard_swapped_for_a_symlink_outside_the_root_during_preload_is_never_read(
+    racing: Racing, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    folder = racing.root / "model"
+    shutil.copytree(checkpoints.sharded, folder)
+    shard = folder / SHARD_2
+    secret = racing.base / "secret.bin"  # outside the root, as large as the shard
+    size = shard.stat().st_size
+    secret.write_bytes((SECRET * (size // len(SECRET) + 1))[:size])
+    secret.chmod(0o600)
+    pause = racing.base / "pause"
+
+    def swap() -> None:
+        link = folder / "swap.tmp"
+        link.symlink_to(secret)
+        os.replace(link, shard)
+
+    outcome = preload_changing(racing.daemon.socket, folder, pause, swap)
+
+    assert os.path.realpath(shard) == str(secret)
+    # The daemon read the shard it had opened, never the secret; unlinking that file
+    # moved its ctime, so the load refuses it rather than hold a replaced file's bytes.
+    assert isinstance(outcome, RpcFailure), outcome
+    assert (outcome.code, outcome.reason) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_CHECKPOINT",
+    )
+    assert f"{SHARD_2}: the file changed while it was being loaded" in outcome.message
+    with service_stub(racing.daemon.socket) as stub:
+        [model] = stub.ListModels(pb.ListModelsRequest(), timeout=10).models
+    assert (model.name, model.state) == ("model", pb.MODEL_STATE_FAILED)
+    assert shm_segments(racing.daemon.tag) == []
+    reply = racing.worker.load(
+        checkpoints.sharded,
+        recipe=recipe_json(plugins=[pause_step(pause)]),
+        socket=racing.daemon.socket,
+        dump=tmp_path / "w",
+    )
+    assert reply["ok"], reply
+    assert (reply["source"], reply["fallback_reason"]["code"]) == ("disk", "MODEL_FAILED")
+    assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)
+    assert SECRET not in (tmp_path / "w").read_bytes()

@@ -16,7 +16,7 @@ import structlog
 import torch
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from weightcache._checkpoint import INDEX_FILE, Checkpoint, open_checkpoint
+from weightcache._checkpoint import Checkpoint, open_checkpoint
 from weightcache._errors import (
     DrainingError,
     FingerprintMismatchError,
@@ -177,17 +177,24 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         """
 
         def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
-            if confine:
-                self._check_inside(os.path.join(path, INDEX_FILE))
-            checkpoint = open_checkpoint(path)
-            if confine:
-                for shard in checkpoint.shards:
-                    self._check_inside(str(shard.path))
-            pipeline = recipe.build(checkpoint, placement)
-            return checkpoint, pipeline, compute_fingerprint(checkpoint, pipeline, placement, level)
+            # Confinement is checked on each file as opened: a path checked before the
+            # open could be swapped for a symlink in between.
+            check = self._check_opened if confine else None
+            checkpoint = open_checkpoint(path, check_file=check)
+            try:
+                pipeline = recipe.build(checkpoint, placement)
+                fp = compute_fingerprint(checkpoint, pipeline, placement, level)
+            except BaseException:
+                checkpoint.close()
+                raise
+            return checkpoint, pipeline, fp
 
         checkpoint, pipeline, fp = await asyncio.to_thread(prepare)
-        entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
+        try:
+            entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
+        except BaseException:
+            checkpoint.close()
+            raise
         log.info("loading", model=entry.name, path=str(checkpoint.root), bytes=entry.size)
         task = asyncio.create_task(asyncio.to_thread(self.store.load, entry))
         self._loads.add(task)
@@ -283,14 +290,13 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
         return self._check_inside(path)
 
     def _check_inside(self, path: str) -> str:
-        """``path`` resolved with realpath, if it lies inside a model root (or is absent).
+        """``path`` resolved with realpath, if it lies inside a model root: an early refusal;
+        each file is checked again as opened (:meth:`_check_opened`).
 
         Raises:
             PermissionDeniedError: it resolves outside every ``--model-root``.
         """
         real = Path(os.path.realpath(path))
-        if not os.path.lexists(path) and os.path.basename(path) == INDEX_FILE:
-            return str(real)
         for root in self.options.model_roots:
             if real == root or root in real.parents:
                 return str(real)
@@ -298,6 +304,18 @@ class WeightCacheService(pb_grpc.WeightCacheServiceServicer):
             f"{clip(path)} resolves to {clip(str(real))}, outside every --model-root",
             metadata={"path": clip(str(real))},
         )
+
+    def _check_opened(self, real: Path) -> None:
+        """Refuse an opened checkpoint file whose real location is outside every model root.
+
+        Raises:
+            PermissionDeniedError: ``real`` is outside every ``--model-root``.
+        """
+        if not any(real == root or root in real.parents for root in self.options.model_roots):
+            raise PermissionDeniedError(
+                f"{clip(str(real))} is outside every --model-root",
+                metadata={"path": clip(str(real))},
+            )
 
     @_unary
     async def GetModel(

@@ -138,11 +138,14 @@ class Store:
         return name
 
     def load(self, entry: Entry) -> None:
-        """Read, process and pin ``entry``'s tensors; sets READY or FAILED. Thread-safe
-        with respect to other entries; never raises (the failure is kept on the entry)."""
+        """Read, process and pin ``entry``'s tensors; sets READY or FAILED (also when a
+        shard changed since it was fingerprinted: INVALID_CHECKPOINT). Closes the
+        checkpoint's files. Thread-safe with respect to other entries; never raises (the
+        failure is kept on the entry)."""
         try:
             self._load(entry)
         finally:
+            entry.checkpoint.close()
             entry.finished.set()
 
     def _load(self, entry: Entry) -> None:
@@ -152,6 +155,8 @@ class Store:
             with CheckpointReader(entry.checkpoint) as reader:
                 for slot in entry.slots:
                     self._load_tensor(entry, entry.arena, reader, slot)
+            # The fingerprint was computed from these files before the load read them.
+            entry.checkpoint.check_unchanged()
             entry.views = [slot.view() for slot in entry.slots]
             # Built once, in the load thread: for CUDA it waits for every copy to land.
             entry.handle = entry.arena.handle()

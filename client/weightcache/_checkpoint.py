@@ -17,13 +17,16 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from weightcache._dtypes import TORCH_DTYPES, itemsize
+from weightcache._dtypes import SUB_BYTE, TORCH_DTYPES, itemsize
 from weightcache._errors import InvalidCheckpointError
 
 SINGLE_FILE = "model.safetensors"
@@ -61,6 +64,39 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class FileIdentity:
+    """What ``fstat`` says of an opened file; any change means its bytes may have changed.
+
+    Attributes:
+        dev: ``st_dev``.
+        ino: ``st_ino``.
+        size: ``st_size``, in bytes.
+        mtime_ns: ``st_mtime_ns``, nanoseconds since the epoch (content changed).
+        ctime_ns: ``st_ctime_ns``, nanoseconds since the epoch (inode changed; a
+            ``utime()`` that restores the mtime still moves it).
+    """
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, fd: int) -> FileIdentity:
+        """The identity of an open descriptor.
+
+        Raises:
+            InvalidCheckpointError: ``fstat`` failed.
+        """
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise InvalidCheckpointError(f"fstat: {exc.strerror}") from None
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True)
 class ShardInfo:
     """One safetensors file of a checkpoint.
 
@@ -71,6 +107,7 @@ class ShardInfo:
         header_sha256: hex sha256 of the raw JSON header bytes.
         tensors: its tensors in header order.
         metadata: its ``__metadata__`` (empty when absent).
+        identity: the file's identity when it was opened.
     """
 
     name: str
@@ -79,11 +116,12 @@ class ShardInfo:
     header_sha256: str
     tensors: tuple[TensorInfo, ...]
     metadata: dict[str, str]
+    identity: FileIdentity
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A validated checkpoint.
+    """A validated checkpoint, holding its shard files open (a context manager).
 
     Attributes:
         root: realpath of the checkpoint folder.
@@ -94,6 +132,51 @@ class Checkpoint:
     root: Path
     shards: tuple[ShardInfo, ...]
     tensors: dict[str, TensorInfo]
+    _files: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def fd(self, shard: str) -> int:
+        """The open descriptor of the shard named ``shard``.
+
+        Raises:
+            InvalidCheckpointError: the checkpoint is closed.
+        """
+        fd = self._files.get(shard)
+        if fd is None:
+            raise InvalidCheckpointError(f"{self.root}: {shard} is closed")
+        return fd
+
+    def check_unchanged(self) -> None:
+        """Check that no shard changed since it was opened (call it after reading).
+
+        The fingerprint and the loaded bytes both come from the opened files; a file
+        rewritten in place in between would make one describe bytes the other does not
+        hold.
+
+        Raises:
+            InvalidCheckpointError: a shard's dev, inode, size, mtime or ctime changed;
+                the bytes read from it must not be used.
+        """
+        for shard in self.shards:
+            if FileIdentity.of(self.fd(shard.name)) != shard.identity:
+                raise InvalidCheckpointError(
+                    f"{shard.name}: the file changed while it was being loaded "
+                    f"({shard.path}); the bytes read are not used"
+                )
+
+    def close(self) -> None:
+        """Close the shard files (idempotent); headers and metadata stay available."""
+        while self._files:
+            os.close(self._files.popitem()[1])
+
+    def __del__(self) -> None:
+        # A caller that never closes must not leak descriptors for the process's life.
+        self.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -125,64 +208,197 @@ def hub_snapshot(cache_root: str | os.PathLike[str], repo_id: str, revision: str
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str], *, repo_id: str | None = None, revision: str = "main"
+    path: str | os.PathLike[str],
+    *,
+    repo_id: str | None = None,
+    revision: str = "main",
+    check_file: Callable[[Path], None] | None = None,
 ) -> Checkpoint:
     """Open and validate a checkpoint folder, or a single ``.safetensors`` file.
 
     A folder with ``model.safetensors.index.json`` is read as sharded: only the shards the
     index names are read (stray ``.safetensors`` files are ignored). Otherwise the folder
     must hold ``model.safetensors``. With ``repo_id``, ``path`` is a Hugging Face hub cache
-    root and the snapshot of ``revision`` is opened (:func:`hub_snapshot`). Every path is
-    resolved with realpath: a hub snapshot's shards are its blobs.
+    root and the snapshot of ``revision`` is opened (:func:`hub_snapshot`).
+
+    Every file is opened once, relative to the opened folder, and everything afterwards
+    (validation, fingerprint, data) reads that descriptor: a file renamed or replaced by
+    a symlink later is never read. Symlinks are followed at open (a hub snapshot's shards
+    are its blobs); ``ShardInfo.path`` is where the opened file really is. The returned
+    checkpoint holds the descriptors until :meth:`Checkpoint.close` (or ``with``).
+
+    Args:
+        check_file: called with the real path of every file right after it is opened,
+            before any byte of it is read; it raises to refuse the file (the daemon's
+            ``--model-root`` confinement).
 
     Raises:
-        InvalidCheckpointError: no checkpoint at ``path``; a header or index is malformed
-            (length past the file or over 100 MB, invalid JSON, unknown dtype, shape and
-            byte size disagreeing, offsets overlapping or past the end); a tensor name
-            appears in two shards; the index names a missing shard or disagrees with it.
+        InvalidCheckpointError: no checkpoint at ``path``; a file is not a regular file;
+            a header or index is malformed (length past the file or over 100 MB, invalid
+            JSON or UTF-8, a duplicate key, unknown or sub-byte dtype, shape and byte size
+            disagreeing, offsets overlapping, leaving a gap or trailing bytes, or past the
+            end); a tensor name appears in two shards; the index maps no tensor, names a
+            missing shard or disagrees with it.
+        Exception: whatever ``check_file`` raises.
     """
     if repo_id is not None:
         path = hub_snapshot(path, repo_id, revision)
-    root = Path(os.path.realpath(path))
-    if root.is_file():
-        return _assemble(root.parent, [root.name], weight_map=None)
-    if not root.is_dir():
-        raise InvalidCheckpointError(f"{root}: no such checkpoint folder or file")
-    index = root / INDEX_FILE
-    if index.is_file():
-        weight_map = _read_index(index)
-        return _assemble(root, sorted(set(weight_map.values())), weight_map=weight_map)
-    if (root / SINGLE_FILE).is_file():
-        return _assemble(root, [SINGLE_FILE], weight_map=None)
-    raise InvalidCheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    if index.stat().st_size > MAX_INDEX_BYTES:
-        raise InvalidCheckpointError(f"{index}: index larger than {MAX_INDEX_BYTES} bytes")
+    files: dict[str, int] = {}
     try:
-        doc = json.loads(index.read_bytes())
+        try:
+            fd = _open(os.fspath(path), None, str(path))
+        except FileNotFoundError:
+            raise InvalidCheckpointError(f"{path}: no such checkpoint folder or file") from None
+        real = _real_path(fd, os.fspath(path))
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            files[real.name] = fd
+            if check_file is not None:
+                check_file(real)
+            return _assemble(real.parent, files, weight_map=None)
+        try:
+            return _open_folder(fd, real, files, check_file)
+        finally:
+            os.close(fd)
+    except BaseException:
+        for fd in files.values():
+            os.close(fd)
+        raise
+
+
+def _open_folder(
+    folder: int, root: Path, files: dict[str, int], check_file: Callable[[Path], None] | None
+) -> Checkpoint:
+    if not stat.S_ISDIR(os.fstat(folder).st_mode):
+        raise InvalidCheckpointError(f"{root}: neither a folder nor a regular file")
+    weight_map = None
+    names = [SINGLE_FILE]
+    index = _open_file(folder, root, INDEX_FILE, check_file, missing_ok=True)
+    if index is not None:
+        try:
+            weight_map = _read_index(index, root / INDEX_FILE)
+        finally:
+            os.close(index)
+        names = sorted(set(weight_map.values()))
+    for name in names:
+        fd = _open_file(folder, root, name, check_file, missing_ok=weight_map is None)
+        if fd is None:
+            raise InvalidCheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+        files[name] = fd
+    return _assemble(root, files, weight_map=weight_map)
+
+
+def _open(path: str, folder: int | None, shown: str) -> int:
+    # O_NONBLOCK: opening a FIFO planted as a shard must not hang; it is refused below.
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags, dir_fd=folder)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise InvalidCheckpointError(f"{shown}: {exc.strerror}") from None
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _open_file(
+    folder: int,
+    root: Path,
+    name: str,
+    check_file: Callable[[Path], None] | None,
+    *,
+    missing_ok: bool,
+) -> int | None:
+    try:
+        fd = _open(name, folder, name)
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise InvalidCheckpointError(
+            f"{root}: index names shard {name!r}, which is missing"
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidCheckpointError(f"{root}: {name} is not a regular file")
+        if check_file is not None:
+            check_file(_real_path(fd, os.path.join(root, name)))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _real_path(fd: int, fallback: str) -> Path:
+    """Where the opened file is: /proc's link names what was opened, not what a path
+    names now."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return Path(os.path.realpath(fallback))
+
+
+def _read_at(fd: int, offset: int, length: int, name: str) -> bytes:
+    chunks = []
+    while length:
+        try:
+            chunk = os.pread(fd, length, offset)
+        except OSError as exc:
+            raise InvalidCheckpointError(f"{name}: {exc.strerror}") from None
+        if not chunk:
+            raise InvalidCheckpointError(f"{name}: file ended early; it changed while read")
+        chunks.append(chunk)
+        offset += len(chunk)
+        length -= len(chunk)
+    return b"".join(chunks)
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of duplicate keys silently; safetensors (serde) refuses them.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def _parse_json(raw: bytes, where: str) -> object:
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as exc:
+        raise InvalidCheckpointError(f"{where} names {exc.args[0]!r} twice") from None
+    except UnicodeDecodeError:
+        raise InvalidCheckpointError(f"{where} is not valid UTF-8") from None
     except (ValueError, RecursionError) as exc:
-        raise InvalidCheckpointError(f"{index}: invalid JSON: {exc}") from None
+        raise InvalidCheckpointError(f"{where} is not valid JSON: {exc}") from None
+
+
+def _read_index(fd: int, index: Path) -> dict[str, str]:
+    size = os.fstat(fd).st_size
+    if size > MAX_INDEX_BYTES:
+        raise InvalidCheckpointError(f"{index}: index larger than {MAX_INDEX_BYTES} bytes")
+    doc = _parse_json(_read_at(fd, 0, size, str(index)), str(index))
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise InvalidCheckpointError(f"{index}: 'weight_map' must map tensor names to files")
+    if not weight_map:
+        raise InvalidCheckpointError(f"{index}: 'weight_map' maps no tensor")
     for shard in set(weight_map.values()):
         if "/" in shard or shard in ("", ".", ".."):
             raise InvalidCheckpointError(f"{index}: shard name {shard!r} is not a plain file name")
     return weight_map
 
 
-def _assemble(root: Path, shard_names: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
+def _assemble(root: Path, files: dict[str, int], weight_map: dict[str, str] | None) -> Checkpoint:
     shards = []
     tensors: dict[str, TensorInfo] = {}
-    for name in shard_names:
-        file = root / name
-        if not file.is_file():
-            raise InvalidCheckpointError(f"{root}: index names shard {name!r}, which is missing")
-        shard = read_shard_header(file, name)
+    for name, fd in files.items():
+        shard = read_shard_header(fd, name, _real_path(fd, os.path.join(root, name)))
         for info in shard.tensors:
             if info.name in tensors:
                 raise InvalidCheckpointError(
@@ -201,53 +417,50 @@ def _assemble(root: Path, shard_names: list[str], weight_map: dict[str, str] | N
             raise InvalidCheckpointError(
                 f"{root}: the index lists tensors absent from their shards: {missing[:5]}"
             )
-    return Checkpoint(root=root, shards=tuple(shards), tensors=tensors)
+    return Checkpoint(root=root, shards=tuple(shards), tensors=tensors, _files=files)
 
 
-def read_shard_header(file: Path, name: str) -> ShardInfo:
-    """Read and validate one safetensors file's header.
+def read_shard_header(fd: int, name: str, path: Path) -> ShardInfo:
+    """Read and validate one safetensors file's header from an open descriptor.
 
     Args:
-        file: path of the file.
+        fd: the opened file (not closed here).
         name: the name to report it under (relative to the checkpoint folder).
+        path: where the opened file really is.
 
     Raises:
         InvalidCheckpointError: the header is malformed; the message says how.
     """
-    real = Path(os.path.realpath(file))
-    size = real.stat().st_size
-    with open(real, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) < 8:
-            raise InvalidCheckpointError(f"{name}: {size} bytes, shorter than a header length")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > MAX_HEADER_BYTES:
-            raise InvalidCheckpointError(
-                f"{name}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit "
-                "(is it a safetensors file?)"
-            )
-        if 8 + header_len > size:
-            raise InvalidCheckpointError(
-                f"{name}: header length {header_len} runs past the end of the {size}-byte file"
-            )
-        raw = fh.read(header_len)
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise InvalidCheckpointError(f"{name}: header is not valid JSON: {exc}") from None
+    identity = FileIdentity.of(fd)
+    size = identity.size
+    if size < 8:
+        raise InvalidCheckpointError(f"{name}: {size} bytes, shorter than a header length")
+    (header_len,) = struct.unpack("<Q", _read_at(fd, 0, 8, name))
+    if header_len > MAX_HEADER_BYTES:
+        raise InvalidCheckpointError(
+            f"{name}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit "
+            "(is it a safetensors file?)"
+        )
+    if 8 + header_len > size:
+        raise InvalidCheckpointError(
+            f"{name}: header length {header_len} runs past the end of the {size}-byte file"
+        )
+    raw = _read_at(fd, 8, header_len, name)
+    header = _parse_json(raw, f"{name}: header")
     if not isinstance(header, dict):
         raise InvalidCheckpointError(f"{name}: header is not a JSON object")
     metadata = _metadata(name, header.pop("__metadata__", None))
     data_start = 8 + header_len
     tensors = [_tensor_info(name, key, entry, data_start) for key, entry in header.items()]
-    _check_offsets(name, tensors, size)
+    _check_coverage(name, tensors, data_start, size)
     return ShardInfo(
         name=name,
-        path=real,
+        path=path,
         size=size,
         header_sha256=hashlib.sha256(raw).hexdigest(),
         tensors=tuple(tensors),
         metadata=metadata,
+        identity=identity,
     )
 
 
@@ -278,6 +491,10 @@ def _tensor_info(shard: str, key: str, entry: object, data_start: int) -> Tensor
     if not isinstance(entry, dict):
         raise InvalidCheckpointError(f"{where}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if isinstance(dtype, str) and dtype in SUB_BYTE:
+        raise InvalidCheckpointError(
+            f"{where}: dtype {dtype} packs elements below a byte; weightcache does not support it"
+        )
     if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
         raise InvalidCheckpointError(f"{where}: unknown dtype {dtype!r}")
     if (
@@ -309,38 +526,45 @@ def _is_uint(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_offsets(shard: str, tensors: list[TensorInfo], size: int) -> None:
-    end = 0
-    for info in sorted(tensors, key=lambda t: (t.begin, t.nbytes)):
-        if info.begin + info.nbytes > size:
+def _check_coverage(shard: str, tensors: list[TensorInfo], data_start: int, size: int) -> None:
+    """Tensors must tile the data exactly: sorted by offsets, each begins where the previous
+    one ended, and the last ends at the end of the file; no overlap, gap or trailing byte.
+
+    These are the rules of the reference reader (safetensors ``Metadata::validate``:
+    ``InvalidOffset`` and ``MetadataIncompleteBuffer``; safetensors README, "Format").
+    """
+    cursor = data_start
+    for info in sorted(tensors, key=lambda t: (t.begin, t.begin + t.nbytes)):
+        end = info.begin + info.nbytes
+        if end > size:
             raise InvalidCheckpointError(
-                f"{shard}: tensor {info.name!r} ends at byte {info.begin + info.nbytes}, "
+                f"{shard}: tensor {info.name!r} ends at byte {end}, "
                 f"past the end of the {size}-byte file"
             )
-        if info.nbytes and info.begin < end:
+        if info.begin < cursor:
             raise InvalidCheckpointError(f"{shard}: tensor {info.name!r} overlaps another")
-        end = max(end, info.begin + info.nbytes)
+        if info.begin > cursor:
+            raise InvalidCheckpointError(
+                f"{shard}: {info.begin - cursor} bytes of no tensor before tensor {info.name!r}"
+            )
+        cursor = end
+    if cursor != size:
+        raise InvalidCheckpointError(
+            f"{shard}: {size - cursor} trailing bytes after the last tensor"
+        )
 
 
 class ShardReader:
-    """Reads tensors of one validated shard by offset (a context manager owning the fd).
+    """Reads tensors of one validated shard by offset, from its open descriptor.
 
-    Raises:
-        InvalidCheckpointError: on open, the file is gone or unreadable.
+    Args:
+        shard: the shard.
+        fd: its descriptor, opened by :func:`open_checkpoint` (not closed here).
     """
 
-    def __init__(self, shard: ShardInfo) -> None:
+    def __init__(self, shard: ShardInfo, fd: int) -> None:
         self.shard = shard
-        try:
-            self._fd = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise InvalidCheckpointError(f"{shard.name}: {exc.strerror}") from None
-
-    def __enter__(self) -> ShardReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self._fd)
+        self._fd = fd
 
     def read(self, info: TensorInfo) -> torch.Tensor:
         """A new tensor holding ``info``'s bytes, with its dtype and shape."""

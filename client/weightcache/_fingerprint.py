@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from weightcache._checkpoint import Checkpoint, ShardInfo
-from weightcache._hashcache import file_sha256
+from weightcache._hashcache import fd_sha256
 from weightcache._recipe import Pipeline, Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -64,9 +64,14 @@ def compute_fingerprint(
     """Fingerprint a validated checkpoint under a recipe (or the pipeline already built
     from it for this checkpoint and placement) and a placement.
 
+    Shards are read through the checkpoint's open descriptors (the same ones a load
+    reads), so the fingerprint describes the bytes that are loaded as long as
+    :meth:`Checkpoint.check_unchanged` passes after the load.
+
     Raises:
         ValueError: ``level`` is not ``"layout"``, ``"sampled"`` or ``"full"``.
         RecipeError: the recipe cannot be built for this checkpoint.
+        InvalidCheckpointError: the checkpoint is closed.
         OSError: a shard cannot be read.
     """
     if isinstance(recipe, Recipe):
@@ -83,7 +88,7 @@ def compute_fingerprint(
         for shard in checkpoint.shards
     ]
     for shard in checkpoint.shards:
-        parts[f"checkpoint/{shard.name}"] = _shard_identity(shard, level)
+        parts[f"checkpoint/{shard.name}"] = _shard_identity(checkpoint, shard, level)
     components = {name: _digest(value) for name, value in sorted(parts.items())}
     return Fingerprint(digest=_digest(components), level=level, components=components)
 
@@ -93,29 +98,25 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _shard_identity(shard: ShardInfo, level: Level) -> dict[str, Any]:
+def _shard_identity(checkpoint: Checkpoint, shard: ShardInfo, level: Level) -> dict[str, Any]:
     identity: dict[str, Any] = {
         "name": shard.name,
         "size": shard.size,
         "header_sha256": shard.header_sha256,
     }
     if level == "sampled":
-        identity["content_sha256"] = _sampled_digest(shard)
+        identity["content_sha256"] = _sampled_digest(shard, checkpoint.fd(shard.name))
     elif level == "full":
-        identity["file_sha256"] = file_sha256(shard.path)
+        identity["file_sha256"] = fd_sha256(checkpoint.fd(shard.name), shard.path)
     return identity
 
 
-def _sampled_digest(shard: ShardInfo) -> str:
+def _sampled_digest(shard: ShardInfo, fd: int) -> str:
     digest = hashlib.sha256()
-    fd = os.open(shard.path, os.O_RDONLY)
-    try:
-        for info in shard.tensors:
-            digest.update(info.name.encode())
-            for offset, length in _sample_ranges(info.begin, info.nbytes):
-                digest.update(os.pread(fd, length, offset))
-    finally:
-        os.close(fd)
+    for info in shard.tensors:
+        digest.update(info.name.encode())
+        for offset, length in _sample_ranges(info.begin, info.nbytes):
+            digest.update(os.pread(fd, length, offset))
     return digest.hexdigest()
 
 

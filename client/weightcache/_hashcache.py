@@ -1,7 +1,8 @@
 """sha256 of whole files, remembered on disk so that a restart re-hashes nothing.
 
-An entry is keyed by (st_dev, st_ino, st_size, st_mtime_ns): a file rewritten in place
-gets a new mtime and is hashed again. A Hugging Face hub-cache blob
+An entry is keyed by (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): a file rewritten
+in place gets a new mtime and ctime (even when ``utime()`` restores the mtime) and is hashed
+again. A Hugging Face hub-cache blob
 (``.../blobs/<64 hex>``) is named after the sha256 of its content (its Git LFS oid), so
 its name is used without reading it.
 """
@@ -29,31 +30,55 @@ def cache_dir() -> Path:
 
 
 def file_sha256(path: str | os.PathLike[str], cache: Path | None = None) -> str:
-    """Lowercase hex sha256 of a file's bytes, from the hub blob name, the cache, or by
-    reading it (then cached).
+    """Lowercase hex sha256 of a file's bytes (:func:`fd_sha256` of the file opened once).
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return fd_sha256(fd, Path(os.path.realpath(path)), cache)
+    finally:
+        os.close(fd)
+
+
+def fd_sha256(fd: int, path: Path, cache: Path | None = None) -> str:
+    """Lowercase hex sha256 of an open file's bytes, from the hub blob name, the cache, or
+    by reading the descriptor (then cached).
+
+    Args:
+        fd: the open file; read with ``pread``, never reopened by path.
+        path: where the opened file really is (a hub blob is recognised by it).
+        cache: the cache folder; :func:`cache_dir` by default.
 
     Raises:
         OSError: the file cannot be read. A cache that cannot be written is skipped.
     """
-    real = Path(os.path.realpath(path))
-    if real.parent.name == "blobs" and _HEX64.match(real.name):
-        return real.name
-    info = real.stat()
-    key = f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}"
+    if path.parent.name == "blobs" and _HEX64.match(path.name):
+        return path.name
+    info = os.fstat(fd)
+    key = f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}"
     folder = cache or cache_dir()
     entry = folder / key
     with contextlib.suppress(OSError):
         cached = entry.read_text().strip()
         if _HEX64.match(cached):
             return cached
-    digest = _hash(real)
+    digest = _hash(fd, path)
     _store(folder, entry, digest)
     return digest
 
 
-def _hash(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+_CHUNK = 1 << 20
+
+
+def _hash(fd: int, path: Path) -> str:  # path: which file, for whoever traces reads
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
 
 
 def _store(folder: Path, entry: Path, digest: str) -> None:

@@ -229,7 +229,8 @@ def load(
         The weights; ``source`` says where they came from and ``fallback_reason`` why.
 
     Raises:
-        InvalidCheckpointError: the checkpoint is malformed (either path).
+        InvalidCheckpointError: the checkpoint is malformed (either path), or a shard
+            changed (dev, inode, size, mtime or ctime) while it was being read.
         RecipeError: the dtype or placement is invalid.
         ValueError: ``mode``, ``lease_policy`` or ``on_revoke`` is not one of the documented
             values, or both ``recipe`` and ``dtype`` are given.
@@ -243,32 +244,33 @@ def load(
         raise ValueError(f"lease_policy must be one of {POLICIES}, not {lease_policy!r}")
     if on_revoke not in REVOKE_POLICIES:
         raise ValueError(f"on_revoke must be one of {REVOKE_POLICIES}, not {on_revoke!r}")
-    checkpoint = open_checkpoint(model_dir)
-    placement = Placement(tp_rank, tp_size)
-    pipeline = _recipe_of(recipe, dtype).build(checkpoint, placement)
-    fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
-    attach = _Attach(
-        socket=socket or default_socket(),
-        mode=mode,
-        ttl=ttl,
-        wait_timeout=wait_timeout,
-        wait_for_daemon=not fallback,
-        policy=lease_policy,
-        on_lost=on_lease_lost,
-        on_revoke=on_revoke,
-        trusted=trusted_uids(trusted_uid),
-    )
-    try:
-        return attach.run(checkpoint, fp)
-    except WeightCacheError as err:
-        if not fallback or err.reason not in _FALLBACK_REASONS:
-            raise
-        components = tuple(err.components) if isinstance(err, FingerprintMismatchError) else ()
-        reason = FallbackReason(err.reason, err.detail, components)
-    log.warning(
-        "loading from disk", reason=reason.code, detail=reason.detail, path=str(checkpoint.root)
-    )
-    return _from_disk(checkpoint, pipeline, fp, reason)
+    with open_checkpoint(model_dir) as checkpoint:
+        placement = Placement(tp_rank, tp_size)
+        pipeline = _recipe_of(recipe, dtype).build(checkpoint, placement)
+        fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
+        checkpoint.check_unchanged()  # else the fingerprint may mix two versions
+        attach = _Attach(
+            socket=socket or default_socket(),
+            mode=mode,
+            ttl=ttl,
+            wait_timeout=wait_timeout,
+            wait_for_daemon=not fallback,
+            policy=lease_policy,
+            on_lost=on_lease_lost,
+            on_revoke=on_revoke,
+            trusted=trusted_uids(trusted_uid),
+        )
+        try:
+            return attach.run(checkpoint, fp)
+        except WeightCacheError as err:
+            if not fallback or err.reason not in _FALLBACK_REASONS:
+                raise
+            components = tuple(err.components) if isinstance(err, FingerprintMismatchError) else ()
+            reason = FallbackReason(err.reason, err.detail, components)
+        log.warning(
+            "loading from disk", reason=reason.code, detail=reason.detail, path=str(checkpoint.root)
+        )
+        return _from_disk(checkpoint, pipeline, fp, reason)
 
 
 def load_from_disk(
@@ -283,14 +285,15 @@ def load_from_disk(
     """Load a checkpoint from disk with the recipe ``load()`` would apply; no daemon.
 
     Raises:
-        InvalidCheckpointError: the checkpoint is malformed.
+        InvalidCheckpointError: the checkpoint is malformed, or a shard changed (dev,
+            inode, size, mtime or ctime) while it was being read.
         RecipeError: the dtype or placement is invalid.
     """
-    checkpoint = open_checkpoint(model_dir)
-    placement = Placement(tp_rank, tp_size)
-    pipeline = _recipe_of(recipe, dtype).build(checkpoint, placement)
-    fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
-    return _from_disk(checkpoint, pipeline, fp, None)
+    with open_checkpoint(model_dir) as checkpoint:
+        placement = Placement(tp_rank, tp_size)
+        pipeline = _recipe_of(recipe, dtype).build(checkpoint, placement)
+        fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
+        return _from_disk(checkpoint, pipeline, fp, None)
 
 
 def _recipe_of(recipe: Recipe | None, dtype: str | torch.dtype | None) -> Recipe:
@@ -306,6 +309,8 @@ def _from_disk(
 ) -> LoadedWeights:
     with CheckpointReader(checkpoint) as reader:
         tensors = {name: materialize(node, reader) for name, node in pipeline.nodes.items()}
+    # The fingerprint was computed from these files before they were read here.
+    checkpoint.check_unchanged()
     return LoadedWeights(
         tensors, source="disk", fingerprint=fp, checkpoint=checkpoint, fallback_reason=reason
     )

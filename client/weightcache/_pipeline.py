@@ -32,20 +32,24 @@ class TensorSpec:
 
 
 class CheckpointReader:
-    """Reads stored tensors by name, keeping one open file per shard (a context manager).
+    """Reads stored tensors by name from the checkpoint's open shard files (a context
+    manager; the files stay the checkpoint's to close).
 
     Raises:
-        InvalidCheckpointError: a shard cannot be opened, or ended early.
+        InvalidCheckpointError: the checkpoint is closed, or a shard ended early.
     """
 
     def __init__(self, checkpoint: Checkpoint) -> None:
+        self._checkpoint = checkpoint
         self._shards = {shard.name: shard for shard in checkpoint.shards}
         self._readers: dict[str, ShardReader] = {}
 
     def _reader(self, info: TensorInfo) -> ShardReader:
         reader = self._readers.get(info.shard)
         if reader is None:
-            reader = self._readers[info.shard] = ShardReader(self._shards[info.shard])
+            shard = self._shards[info.shard]
+            reader = ShardReader(shard, self._checkpoint.fd(shard.name))
+            self._readers[info.shard] = reader
         return reader
 
     def read(self, info: TensorInfo) -> torch.Tensor:
@@ -60,8 +64,6 @@ class CheckpointReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for reader in self._readers.values():
-            reader.__exit__()
         self._readers.clear()
 
 

@@ -4,7 +4,8 @@ A recipe runs three stages, in this order, on the graph of :mod:`weightcache._pi
 
 1. tensor-parallel sharding for the placement (when ``tp_size > 1``; :mod:`weightcache._tp`);
 2. plugins, in the order given (:mod:`weightcache._plugins`), on the rank's shards;
-3. a ``dtype`` cast of floating tensors; integer, bool and fp8 tensors are never cast.
+3. a ``dtype`` cast of floating tensors; integer, bool, complex and fp8 tensors are never
+   cast.
 
 The same code runs in the daemon and in the worker's disk path, so both give the same bytes.
 """
