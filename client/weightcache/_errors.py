@@ -52,6 +52,9 @@ class WeightCacheError(Exception):
     """
 
     reason: str = "UNKNOWN"
+    #: gRPC status code name the daemon sends this error with (``google.rpc.Code``);
+    #: only the classes of :data:`DAEMON_ERRORS` reach the wire.
+    status_code: str = "INTERNAL"
 
     def __init__(
         self, detail: str, *, reason: str | None = None, metadata: Mapping[str, str] | None = None
@@ -77,12 +80,14 @@ class InvalidCheckpointError(WeightCacheError):
     """
 
     reason = "INVALID_CHECKPOINT"
+    status_code = "INVALID_ARGUMENT"
 
 
 class RecipeError(WeightCacheError, ValueError):
     """The recipe or placement cannot be applied (unknown dtype, bad rank)."""
 
     reason = "INVALID_RECIPE"
+    status_code = "INVALID_ARGUMENT"
 
 
 class LeaseLostError(WeightCacheError):
@@ -128,6 +133,7 @@ class FingerprintMismatchError(RemoteError):
     """
 
     reason = "FINGERPRINT_MISMATCH"
+    status_code = "NOT_FOUND"
 
     @property
     def components(self) -> list[str]:
@@ -139,36 +145,42 @@ class ModelNotFoundError(RemoteError):
     """No held model has the fingerprint, and none resembles it."""
 
     reason = "MODEL_NOT_FOUND"
+    status_code = "NOT_FOUND"
 
 
 class ModelLoadingError(RemoteError):
     """The model is still loading; ``metadata`` has ``bytes_done`` and ``bytes_total``."""
 
     reason = "MODEL_LOADING"
+    status_code = "UNAVAILABLE"
 
 
 class ModelFailedError(RemoteError):
     """The model failed to load in the daemon."""
 
     reason = "MODEL_FAILED"
+    status_code = "FAILED_PRECONDITION"
 
 
 class LeaseNotFoundError(RemoteError):
     """The lease is unknown to this daemon instance."""
 
     reason = "LEASE_NOT_FOUND"
+    status_code = "NOT_FOUND"
 
 
 class LeasesActiveError(RemoteError):
     """Evict without force while leases are live; ``metadata["leases"]`` counts them."""
 
     reason = "LEASES_ACTIVE"
+    status_code = "FAILED_PRECONDITION"
 
 
 class ResourceExhaustedError(RemoteError):
     """The model does not fit in the daemon's memory budget."""
 
     reason = "RESOURCE_EXHAUSTED"
+    status_code = "RESOURCE_EXHAUSTED"
 
 
 class PermissionDeniedError(RemoteError):
@@ -177,30 +189,35 @@ class PermissionDeniedError(RemoteError):
     list (``metadata["method"]`` names the RPC refused)."""
 
     reason = "PERMISSION_DENIED"
+    status_code = "PERMISSION_DENIED"
 
 
 class InvalidArgumentError(RemoteError):
     """A request field is malformed; ``metadata["field"]`` names it."""
 
     reason = "INVALID_ARGUMENT"
+    status_code = "INVALID_ARGUMENT"
 
 
 class ModelExistsError(RemoteError):
     """Preload of a model the daemon already holds."""
 
     reason = "MODEL_EXISTS"
+    status_code = "ALREADY_EXISTS"
 
 
 class DrainingError(RemoteError):
     """The daemon is draining and grants no new leases."""
 
     reason = "DRAINING"
+    status_code = "UNAVAILABLE"
 
 
 class NotSameHostError(RemoteError):
     """Acquire from another host: shared-memory and CUDA IPC handles open only locally."""
 
     reason = "NOT_SAME_HOST"
+    status_code = "FAILED_PRECONDITION"
 
 
 class UnauthenticatedError(RemoteError):
@@ -209,9 +226,13 @@ class UnauthenticatedError(RemoteError):
     ``metadata["method"]`` names the RPC. Use the Unix socket, or mutual TLS."""
 
     reason = "UNAUTHENTICATED"
+    status_code = "UNAUTHENTICATED"
 
 
-_REMOTE_BY_REASON: dict[str, type[WeightCacheError]] = {
+#: Every reason a daemon sends, with the one exception class that carries it. The proto's
+#: ``ErrorReason`` enum names the same reasons (``ERROR_REASON_<reason>``), and each class's
+#: ``status_code`` is the gRPC code that enum's comment documents (tests/test_errors.py).
+DAEMON_ERRORS: dict[str, type[WeightCacheError]] = {
     cls.reason: cls
     for cls in (
         FingerprintMismatchError,
@@ -228,6 +249,7 @@ _REMOTE_BY_REASON: dict[str, type[WeightCacheError]] = {
         NotSameHostError,
         UnauthenticatedError,
         InvalidCheckpointError,
+        RecipeError,
     )
 }
 
@@ -239,5 +261,5 @@ def error_for_reason(
 
     An unknown reason yields a plain :class:`RemoteError` carrying it.
     """
-    cls = _REMOTE_BY_REASON.get(reason, RemoteError)
+    cls = DAEMON_ERRORS.get(reason, RemoteError)
     return cls(detail, reason=reason, metadata=metadata)

@@ -28,6 +28,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_DRAINING: _ClassVar[ErrorReason]
     ERROR_REASON_NOT_SAME_HOST: _ClassVar[ErrorReason]
     ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_RECIPE: _ClassVar[ErrorReason]
 
 class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -65,6 +66,7 @@ ERROR_REASON_MODEL_EXISTS: ErrorReason
 ERROR_REASON_DRAINING: ErrorReason
 ERROR_REASON_NOT_SAME_HOST: ErrorReason
 ERROR_REASON_UNAUTHENTICATED: ErrorReason
+ERROR_REASON_INVALID_RECIPE: ErrorReason
 MODEL_STATE_UNSPECIFIED: ModelState
 MODEL_STATE_LOADING: ModelState
 MODEL_STATE_READY: ModelState
