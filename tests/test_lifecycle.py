@@ -501,3 +501,74 @@ def test_preload_peak_memory_is_arena_plus_one_tensor(daemons: DaemonPool, big: 
     print(
         f"VmHWM idle {idle / MIB:.0f} MiB, after preload {peak / MIB:.0f} MiB (+{grew / MIB:.0f})"
     )
+
+
+# -- failed loads ------------------------------------------------------------------------
+
+
+def _truncate_when_loading(progress: Any, shard: Path, keep: int) -> list[pb.PreloadResponse]:
+    """Read a Preload stream; at its first LOADING answer, cut ``shard`` to ``keep`` bytes
+    (the header stays valid: the daemon checked it before it started reading)."""
+    seen = []
+    for answer in progress:
+        if not seen:
+            assert answer.state == pb.MODEL_STATE_LOADING, answer
+            os.truncate(shard, keep)
+        seen.append(answer)
+    return seen
+
+
+def test_a_shard_truncated_while_loading_frees_the_arena_at_once_and_evict_works(
+    daemons: DaemonPool, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    write_big_checkpoint(root / "cut", tensors=12, tensor_mib=16, largest_mib=16)
+    shard = root / "cut" / "model.safetensors"
+    daemon = start_ready(daemons, args=["--allow-remote-preload", "--model-root", str(root)])
+
+    with service_stub(daemon.socket) as stub:
+        stream = stub.Preload(pb.PreloadRequest(path=str(root / "cut")), timeout=120)
+        failure = rpc_failure(refused(lambda: _truncate_when_loading(stream, shard, MIB)))
+
+    # Freed at once, not at shutdown: no segment right after the failure.
+    assert daemon.segments() == []
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_CHECKPOINT",
+    )
+    assert "file ended inside tensor" in failure.message
+    [model] = list_models(daemon.socket).values()
+    assert (model.name, model.state) == ("cut", pb.MODEL_STATE_FAILED)
+    assert model.error == failure.message
+    assert server_info(daemon.socket).memory_held_bytes == 0
+    snapshot = evict(daemon.socket, "cut").model
+    assert (snapshot.name, snapshot.state, snapshot.error) == (
+        "cut",
+        pb.MODEL_STATE_FAILED,
+        failure.message,
+    )
+    assert list_models(daemon.socket) == {}
+    assert daemon.stop() == 0
+    assert_gone(daemon)
+
+
+def test_sigterm_while_a_model_loads_frees_its_arena_and_exits_cleanly(
+    daemons: DaemonPool, big: Big
+) -> None:
+    daemon = daemons.start([big.path], wait=False)
+    wait_until(
+        lambda: (
+            health(daemon.socket) is not None
+            and "big" in list_models(daemon.socket)
+            and list_models(daemon.socket)["big"].progress.bytes_done > 0
+        ),
+        READY,
+        interval=0.01,
+    )
+    assert get_model(daemon.socket, "big").state == pb.MODEL_STATE_LOADING
+
+    sigterm(daemon)
+
+    assert daemon.proc.wait(60) == 0
+    assert "cancelled at shutdown" in daemon.log()
+    assert_gone(daemon)
