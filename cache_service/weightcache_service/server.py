@@ -31,6 +31,7 @@ from weightcache_service.access import Access, AccessError, is_loopback, parse_l
 from weightcache_service.arena import SEGMENT_PREFIX, remove_stale_segments
 from weightcache_service.backend import cpu_backend, cuda_backend, resolve_device
 from weightcache_service.budget import MemoryBudget
+from weightcache_service.guard import StatusGuard
 from weightcache_service.leases import LeaseTable
 from weightcache_service.service import ServiceOptions, WeightCacheService
 from weightcache_service.socket_lock import SocketLock
@@ -194,11 +195,12 @@ class Daemon:
 
     async def _start_server(self, socket: str) -> grpc.aio.Server:
         server = grpc.aio.server(
+            interceptors=[StatusGuard(f"/{SERVICE_NAME}/")],
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         pb_grpc.add_WeightCacheServiceServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

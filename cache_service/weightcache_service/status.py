@@ -29,6 +29,7 @@ _CODES: dict[str, int] = {
     "MODEL_EXISTS": code_pb2.ALREADY_EXISTS,
     "DRAINING": code_pb2.UNAVAILABLE,
     "NOT_SAME_HOST": code_pb2.FAILED_PRECONDITION,
+    "INTERNAL": code_pb2.INTERNAL,
 }
 
 

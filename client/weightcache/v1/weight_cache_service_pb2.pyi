@@ -27,6 +27,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_MODEL_EXISTS: _ClassVar[ErrorReason]
     ERROR_REASON_DRAINING: _ClassVar[ErrorReason]
     ERROR_REASON_NOT_SAME_HOST: _ClassVar[ErrorReason]
+    ERROR_REASON_INTERNAL: _ClassVar[ErrorReason]
 
 class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -63,6 +64,7 @@ ERROR_REASON_INVALID_ARGUMENT: ErrorReason
 ERROR_REASON_MODEL_EXISTS: ErrorReason
 ERROR_REASON_DRAINING: ErrorReason
 ERROR_REASON_NOT_SAME_HOST: ErrorReason
+ERROR_REASON_INTERNAL: ErrorReason
 MODEL_STATE_UNSPECIFIED: ModelState
 MODEL_STATE_LOADING: ModelState
 MODEL_STATE_READY: ModelState
