@@ -334,9 +334,11 @@ def test_budget_refuses_a_preload_over_it_and_disturbs_nothing(
         f"second needs {2 * MIB} bytes; {MIB} of the {2 * MIB}-byte budget are held"
     )
     assert failure.metadata == {"needed": str(2 * MIB), "held": str(MIB), "budget": str(2 * MIB)}
+    # The refusal is kept (FAILED, no arena): a worker asking for it learns why.
     models = list_models(budgeted.socket)
-    assert {n: (m.state, m.size_bytes) for n, m in models.items()} == {
-        "first": (pb.MODEL_STATE_READY, MIB)
+    assert {n: (m.state, m.size_bytes, m.error) for n, m in models.items()} == {
+        "first": (pb.MODEL_STATE_READY, MIB, ""),
+        "second": (pb.MODEL_STATE_FAILED, 2 * MIB, failure.message),
     }
     assert server_info(budgeted.socket).memory_held_bytes == MIB
     assert len(budgeted.segments()) == 1
@@ -344,11 +346,35 @@ def test_budget_refuses_a_preload_over_it_and_disturbs_nothing(
     reply = kid.load(first, socket=budgeted.socket)
     assert (reply["source"], reply["digest"]) == ("cache", disk_digest(first))
     missing = kid.load(second, key="second", socket=budgeted.socket)
-    assert (missing["source"], missing["fallback_reason"]["code"]) == ("disk", "MODEL_NOT_FOUND")
+    assert (missing["source"], missing["fallback_reason"]["code"]) == ("disk", "RESOURCE_EXHAUSTED")
+    assert missing["digest"] == disk_digest(second)
 
-    assert list_models(cramped.socket) == {}
+    # A start-up preload refused for lack of memory: the worker gets that reason, and a
+    # raw Acquire the exact ErrorInfo; not MODEL_NOT_FOUND.
     assert "cannot preload" in cramped.log()
     assert "RESOURCE_EXHAUSTED" in cramped.log()
+    [refusal] = list_models(cramped.socket).values()
+    assert (refusal.name, refusal.state) == ("first", pb.MODEL_STATE_FAILED)
+    assert refusal.error.startswith(f"first needs {MIB} bytes plus {headroom} of headroom; ")
+    cramped_reply = kid.load(first, key="cramped", socket=cramped.socket)
+    assert (cramped_reply["source"], cramped_reply["fallback_reason"]["code"]) == (
+        "disk",
+        "RESOURCE_EXHAUSTED",
+    )
+    with service_stub(cramped.socket) as stub:
+        error = refused(lambda: stub.Acquire(acquire_request(first), timeout=10))
+    failure = rpc_failure(error)
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "RESOURCE_EXHAUSTED",
+    )
+    assert failure.message == f"model 'first' was not loaded: {refusal.error}"
+    assert failure.metadata == {
+        "model": "first",
+        "needed": str(MIB),
+        "headroom": str(headroom),
+        "available": failure.metadata["available"],
+    }
     with service_stub(cramped.socket) as stub:
         error = refused(lambda: list(stub.Preload(pb.PreloadRequest(path=str(first)), timeout=60)))
     failure = rpc_failure(error)
@@ -366,6 +392,9 @@ def test_budget_refuses_a_preload_over_it_and_disturbs_nothing(
         f"first needs {MIB} bytes plus {headroom} of headroom; {available} are available"
     )
     assert cramped.segments() == []
+    # Refusals are listed and evicted like any FAILED model.
+    assert evict(cramped.socket, "first").model.state == pb.MODEL_STATE_FAILED
+    assert list_models(cramped.socket) == {}
 
 
 # -- start-up ---------------------------------------------------------------------------

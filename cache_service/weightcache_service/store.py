@@ -130,6 +130,7 @@ class Store:
                 self.budget.check(entry.name, entry.size, held, pending)
             except ResourceExhaustedError as err:
                 _fail(entry, ResourceExhaustedError(err.detail, metadata=dict(err.metadata)))
+                entry.finished.set()  # no load will run: nothing to wait for at shutdown
                 self._entries[entry.name] = entry
                 raise
         self._entries[entry.name] = entry
