@@ -39,6 +39,8 @@ from tests.support import (
     RpcFailure,
     get_model,
     health,
+    private_segments,
+    private_shm,
     rpc_failure,
     service_stub,
     shm_segments,
@@ -395,6 +397,39 @@ def test_budget_refuses_a_preload_over_it_and_disturbs_nothing(
     # Refusals are listed and evicted like any FAILED model.
     assert evict(cramped.socket, "first").model.state == pb.MODEL_STATE_FAILED
     assert list_models(cramped.socket) == {}
+
+
+def test_out_of_inodes_is_resource_exhausted_for_the_worker_too(
+    daemons: DaemonPool, children: Children, checkpoints: Checkpoints
+) -> None:
+    """A private /dev/shm with one free inode: of two start-up models one gets a segment,
+    the other cannot even create its file (ENOSPC from open(2))."""
+    shm = private_shm("64m", 2)
+    paths = {"single": checkpoints.single, "other": checkpoints.other}
+    daemon = daemons.start(list(paths.values()), args=["--headroom", "0"], wrap=shm)
+
+    states = {n: (m.state, m.error) for n, m in list_models(daemon.socket).items()}
+    [failed] = [n for n, (state, _) in states.items() if state == pb.MODEL_STATE_FAILED]
+    [held] = [n for n, (state, _) in states.items() if state == pb.MODEL_STATE_READY]
+    error = "cannot create a segment in /dev/shm: No space left on device"
+    assert states[failed][1] == error
+    assert len(private_segments(daemon.pid)) == 1
+    with service_stub(daemon.socket) as stub:
+        refusal = rpc_failure(
+            refused(lambda: stub.Acquire(acquire_request(paths[failed]), timeout=10))
+        )
+    assert (refusal.code, refusal.reason, refusal.metadata) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "RESOURCE_EXHAUSTED",
+        {"model": failed, "errno": "ENOSPC"},
+    )
+    assert refusal.message == f"model {failed!r} was not loaded: {error}"
+    kid = children.one()
+    reply = kid.load(paths[failed], socket=daemon.socket)
+    assert (reply["source"], reply["fallback_reason"]["code"]) == ("disk", "RESOURCE_EXHAUSTED")
+    assert reply["digest"] == disk_digest(paths[failed])
+    assert held in paths
+    assert daemon.stop() == 0
 
 
 # -- start-up ---------------------------------------------------------------------------
