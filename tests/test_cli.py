@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -85,3 +86,53 @@ def test_second_daemon_on_a_socket_names_the_first(daemon: Daemon) -> None:
     assert f"pid {daemon.pid}" in second.stderr
     assert daemon.proc.poll() is None
     assert health(daemon.socket) == "SERVING"
+
+
+def _gc_lines(result: subprocess.CompletedProcess[str], paths: list[str]) -> list[str]:
+    """The lines of ``weightcache gc`` output about ``paths`` (other dead daemons' segments
+    of this machine may be listed too)."""
+    return [line for line in result.stdout.splitlines() if any(p in line for p in paths)]
+
+
+def test_gc_removes_a_dead_daemons_segments_and_keeps_a_live_ones(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    dead = daemons.start([checkpoints.single])
+    live = daemons.start([checkpoints.other])
+    [gone] = dead.segments()
+    [kept] = live.segments()
+    size = os.stat(gone).st_size
+    dead.kill()
+
+    dry = run_cli("gc", "--dry-run")
+    assert (dry.returncode, dry.stderr) == (0, "")
+    assert _gc_lines(dry, [gone, kept]) == [
+        f"would remove {gone} ({size} bytes, daemon pid {dead.pid})"
+    ]
+    assert dead.segments() == [gone]
+
+    result = run_cli("gc")
+
+    assert (result.returncode, result.stderr) == (0, "")
+    assert _gc_lines(result, [gone, kept]) == [
+        f"removed {gone} ({size} bytes, daemon pid {dead.pid})"
+    ]
+    assert dead.segments() == []
+    assert live.segments() == [kept]
+    assert health(live.socket) == "SERVING"
+    again = run_cli("gc")
+    assert (again.returncode, _gc_lines(again, [gone, kept])) == (0, [])
+
+
+def test_ls_shows_a_failed_models_error(daemons: DaemonPool, checkpoints: Checkpoints) -> None:
+    headroom = 2**50  # no machine has it: the start-up preload is refused
+    daemon = daemons.start([checkpoints.single], args=["--headroom", str(headroom)])
+
+    result = run_cli("ls", "--socket", daemon.socket)
+
+    assert (result.returncode, result.stderr) == (0, "")
+    header, row, error = result.stdout.splitlines()
+    assert header.split()[:2] == ["NAME", "STATE"]
+    assert row.split()[:2] == ["single", "FAILED"]
+    assert error.startswith(f"single: single needs {get_model(daemon.socket, 'single').size_bytes}")
+    assert f"plus {headroom} of headroom" in error

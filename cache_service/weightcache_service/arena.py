@@ -23,10 +23,9 @@ import torch
 from weightcache._dtypes import TORCH_DTYPES
 from weightcache._errors import ResourceExhaustedError
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.segments import SEGMENT_PREFIX, SHM_DIR
 
 ALIGNMENT = 256
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "weightcache-"
 #: errno values of a segment creation that mean "out of a resource": space or inodes of
 #: the tmpfs (ENOSPC, EDQUOT), file descriptors (EMFILE, ENFILE), kernel memory (ENOMEM).
 _EXHAUSTED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
@@ -106,8 +105,8 @@ class SharedMemoryArena:
 
     Args:
         size: bytes, a multiple of 256.
-        prefix: name prefix, ``weightcache-<socket tag>-<instance id>-``; a random
-            component follows.
+        prefix: name prefix, ``weightcache-<socket tag>-<instance id>-<pid>-<start>-``
+            (see :mod:`weightcache_service.segments`); a random component follows.
         mode: permission bits (0600, or 0640 for a group).
         gid: group to give the segment, or None.
 

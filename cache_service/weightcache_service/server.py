@@ -28,11 +28,12 @@ from weightcache._recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
-from weightcache_service.arena import SEGMENT_PREFIX, remove_stale_segments
+from weightcache_service.arena import remove_stale_segments
 from weightcache_service.backend import cpu_backend, cuda_backend, resolve_device
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.guard import StatusGuard
 from weightcache_service.leases import LeaseTable
+from weightcache_service.segments import SEGMENT_PREFIX, owner_part, remove_dead_segments
 from weightcache_service.service import ServiceOptions, WeightCacheService
 from weightcache_service.socket_lock import SocketLock
 from weightcache_service.store import Store
@@ -141,7 +142,8 @@ class Daemon:
         self.config = config
         self.instance_id = uuid.uuid4().hex
         tag = socket_tag(config.socket)
-        self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-"
+        owner = owner_part()  # lets any later daemon tell this one's segments are garbage
+        self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-{owner}-"
         self._tag = tag
         if config.device == "cpu":
             self.backend = cpu_backend(self._segment_prefix, config.access)
@@ -192,6 +194,15 @@ class Daemon:
             os.unlink(socket)  # we hold the lock: whoever bound it is gone
         for path in remove_stale_segments(self._tag, self._segment_prefix):
             log.warning("removed a dead daemon's segment", path=path)
+        # Dead daemons of other sockets too: a crash followed by a restart elsewhere must
+        # not leave its memory behind for good.
+        try:
+            dead = remove_dead_segments()
+        except OSError as exc:
+            log.warning("cannot look for dead daemons' segments", error=str(exc))
+            dead = []
+        for segment in dead:
+            log.warning("removed a dead daemon's segment", path=segment.path, pid=segment.pid)
 
     async def _start_server(self, socket: str) -> grpc.aio.Server:
         server = grpc.aio.server(
