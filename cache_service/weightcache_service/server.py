@@ -159,6 +159,7 @@ class Daemon:
         self.health = health_aio.HealthServicer()
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
+        self._drain_deadline: float | None = None
 
     def stop(self) -> None:
         """Ask the daemon to drain and shut down; a second call skips the rest of the
@@ -260,7 +261,7 @@ class Daemon:
         timeout = self.config.options.drain_timeout
         log.info("draining", leases=live, timeout=timeout)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = self._drain_deadline = loop.time() + timeout
         while len(self.service.leases) and loop.time() < deadline and not self._force.is_set():
             await asyncio.sleep(0.05)
         log.info("drained", leases_left=len(self.service.leases))
@@ -303,12 +304,21 @@ class Daemon:
             bytes=self.store.held_bytes(),
         )
 
+    def _grace(self) -> float:
+        """Seconds in-flight RPCs get: ``config.grace``, but never past the end of the
+        drain timeout (a KeepAlive stream of a holder that never reads would otherwise
+        hold the exit for the whole grace)."""
+        if self._drain_deadline is None:
+            return self.config.grace
+        left = self._drain_deadline - asyncio.get_running_loop().time()
+        return min(self.config.grace, max(0.0, left))
+
     async def _shutdown(self, server: grpc.aio.Server) -> None:
         log.info("shutting down", leases=len(self.service.leases))
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
         self.service.close_sessions()
-        await server.stop(self.config.grace)
+        await server.stop(self._grace())
         await self.service.wait_loads()
         self.store.close()
         log.info("stopped")
