@@ -7,6 +7,7 @@ Workers are forked from one zygote per module (see ``tests/fault_worker.py``).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from tests.fault_support import (
     write_big_checkpoint,
     write_sized_checkpoint,
 )
+from tests.recipe_support import children_env, environ
 from tests.support import (
     Checkpoints,
     Daemon,
@@ -617,6 +619,36 @@ def test_a_shard_truncated_while_loading_frees_the_arena_at_once_and_evict_works
     assert list_models(daemon.socket) == {}
     assert daemon.stop() == 0
     assert_gone(daemon)
+
+
+def test_a_plugin_that_raises_while_loading_frees_the_arena_at_once(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(checkpoints.single, root / "single")
+    remote = ["--allow-remote-preload", "--model-root", str(root), "--allow-recipe", "fail_at"]
+    with environ(children_env(tmp_path / "hashes")):
+        daemon = start_ready(daemons, args=remote)
+    plugin = pb.RecipePlugin(name="fail_at", params={"tensor": "layers.0.mlp.weight"})
+    request = pb.PreloadRequest(path=str(root / "single"), recipe=pb.Recipe(plugins=[plugin]))
+
+    with service_stub(daemon.socket) as stub:
+        failure = rpc_failure(refused(lambda: list(stub.Preload(request, timeout=60))))
+
+    assert daemon.segments() == []
+    assert (failure.code, failure.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "MODEL_FAILED")
+    assert failure.message == (
+        "single: RuntimeError: fail_at: planted failure in layers.0.mlp.weight"
+    )
+    [model] = list_models(daemon.socket).values()
+    assert (model.name, model.state, model.error) == (
+        "single",
+        pb.MODEL_STATE_FAILED,
+        failure.message,
+    )
+    assert evict(daemon.socket, "single").model.state == pb.MODEL_STATE_FAILED
+    assert list_models(daemon.socket) == {}
+    assert health(daemon.socket) == "SERVING"
 
 
 def test_sigterm_while_a_model_loads_frees_its_arena_and_exits_cleanly(
