@@ -404,6 +404,38 @@ def test_budget_refuses_a_preload_over_it_and_disturbs_nothing(
     assert list_models(cramped.socket) == {}
 
 
+def test_a_refused_model_is_not_answered_as_a_mismatch_with_a_look_alike(
+    daemons: DaemonPool, children: Children, checkpoints: Checkpoints
+) -> None:
+    """``sharded`` and ``other_sharded`` share a layout (shard names, sizes, headers); the
+    budget holds one. A worker asking for the refused one must learn it was refused, not
+    that the held look-alike differs in content."""
+    daemon = daemons.start(
+        [checkpoints.sharded, checkpoints.other_sharded], args=["--max-memory", "16KiB"]
+    )
+    models = list_models(daemon.socket)
+    assert {n: m.state for n, m in models.items()} == {
+        "sharded": pb.MODEL_STATE_READY,
+        "other-sharded": pb.MODEL_STATE_FAILED,
+    }
+
+    with service_stub(daemon.socket) as stub:
+        request = acquire_request(checkpoints.other_sharded)
+        failure = rpc_failure(refused(lambda: stub.Acquire(request, timeout=10)))
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "RESOURCE_EXHAUSTED",
+    )
+    assert failure.metadata["model"] == "other-sharded"
+    assert failure.message == (
+        f"model 'other-sharded' was not loaded: {models['other-sharded'].error}"
+    )
+    kid = children.one()
+    reply = kid.load(checkpoints.other_sharded, socket=daemon.socket)
+    assert (reply["source"], reply["fallback_reason"]["code"]) == ("disk", "RESOURCE_EXHAUSTED")
+    assert reply["digest"] == disk_digest(checkpoints.other_sharded)
+
+
 def test_out_of_inodes_is_resource_exhausted_for_the_worker_too(
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
