@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from tests.support import (
     WorkerPool,
     assert_attached,
     child_env,
+    cli_command,
     get_model,
     health,
     run_cli,
@@ -136,3 +138,37 @@ def test_ls_shows_a_failed_models_error(daemons: DaemonPool, checkpoints: Checkp
     assert row.split()[:2] == ["single", "FAILED"]
     assert error.startswith(f"single: single needs {get_model(daemon.socket, 'single').size_bytes}")
     assert f"plus {headroom} of headroom" in error
+
+
+NOBODY = 65534
+
+
+def test_gc_removes_only_the_callers_own_dead_segments(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    """Run as another uid (``setpriv``, so root is needed), gc leaves root's dead segments
+    alone and removes the one that uid owns."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv(1) to run gc as another user")
+    dead = daemons.start([checkpoints.single, checkpoints.other])
+    mine, theirs = dead.segments()
+    dead.kill()
+    os.chown(mine, NOBODY, NOBODY)
+    size = os.stat(mine).st_size
+    as_nobody = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+    result = subprocess.run(
+        [*as_nobody, *cli_command(), "gc"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        check=False,
+    )
+
+    assert (result.returncode, result.stderr) == (0, "")
+    assert _gc_lines(result, [mine, theirs]) == [
+        f"removed {mine} ({size} bytes, daemon pid {dead.pid})"
+    ]
+    assert dead.segments() == [theirs]
