@@ -418,6 +418,7 @@ def test_a_refused_model_is_not_answered_as_a_mismatch_with_a_look_alike(
         "sharded": pb.MODEL_STATE_READY,
         "other-sharded": pb.MODEL_STATE_FAILED,
     }
+    assert "failed=1 models=1" in daemon.log()  # counted once, though listed
 
     with service_stub(daemon.socket) as stub:
         request = acquire_request(checkpoints.other_sharded)

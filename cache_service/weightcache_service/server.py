@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from weightcache._errors import ModelExistsError, WeightCacheError
+from weightcache._errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
 from weightcache._fingerprint import Level
 from weightcache._recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -284,7 +284,9 @@ class Daemon:
             except ModelExistsError as err:
                 log.warning("already held", path=spec.path, error=err.detail)
             except WeightCacheError as err:
-                refused += 1
+                # A model refused for lack of memory stays listed (FAILED): counted below.
+                if not isinstance(err, ResourceExhaustedError):
+                    refused += 1
                 log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
             except Exception as err:
                 # Never let one model stop the others or leave health NOT_SERVING forever.
