@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -103,6 +104,37 @@ def shm_segments(tag: str) -> list[str]:
     return sorted(os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
+def private_shm(size: str, inodes: int) -> list[str]:
+    """A command prefix that runs its command (by exec, same pid) in a private mount
+    namespace with a fresh tmpfs of ``size`` bytes (mount(8) units) and ``inodes`` inodes
+    on /dev/shm, seen from outside as ``/proc/PID/root/dev/shm``; the tmpfs vanishes with
+    the process. Skips the test where unshare(1) or mount(8) is not permitted (not root)."""
+    probe = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=1m weightcache-probe /dev/shm",
+        ],
+        capture_output=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private tmpfs: {probe.stderr.decode(errors='replace')}")
+    script = (
+        f'mount -t tmpfs -o size={size},nr_inodes={inodes} weightcache-test /dev/shm && exec "$@"'
+    )
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+
+
+def private_segments(pid: int) -> list[str]:
+    """Names of the segments in the private /dev/shm of process ``pid`` (:func:`private_shm`)."""
+    return sorted(os.listdir(f"/proc/{pid}/root{SHM_DIR}"))
+
+
 def health(socket: str, timeout: float = 1.0) -> str | None:
     """The readiness status name of the daemon at ``socket``, or None when none answers."""
     if not os.path.exists(socket):
@@ -159,7 +191,9 @@ def rpc_failure(exc: grpc.RpcError) -> RpcFailure:
 class Daemon:
     """A ``weightcache preload`` process on a Unix socket, stderr logged to a file."""
 
-    def __init__(self, socket: str, args: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self, socket: str, args: Sequence[str], log_path: Path, wrap: Sequence[str] = ()
+    ) -> None:
         self.socket = socket
         self.tag = socket_tag(socket)
         self.log_path = log_path
@@ -167,7 +201,7 @@ class Daemon:
         command = [sys.executable, "-m", "weightcache_service.cli", "preload", *args]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [*command, "--socket", socket],
+                [*wrap, *command, "--socket", socket],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -259,14 +293,17 @@ class DaemonPool:
         dtype: str | None = None,
         args: Sequence[str] = (),
         wait: bool = True,
+        wrap: Sequence[str] = (),
     ) -> Daemon:
-        """Start ``weightcache preload MODELS...`` and (by default) wait until it is ready."""
+        """Start ``weightcache preload MODELS...`` and (by default) wait until it is ready;
+        ``wrap`` is a command prefix that ends by exec'ing the daemon (same pid)."""
         argv = [str(m) for m in models]
         if dtype is not None:
             argv += ["--dtype", dtype]
         argv += list(args)
         log_path = self.log_dir / f"daemon-{len(self.daemons)}.log"
-        daemon = Daemon(socket or self.socket(f"d{len(self.daemons)}"), argv, log_path)
+        socket = socket or self.socket(f"d{len(self.daemons)}")
+        daemon = Daemon(socket, argv, log_path, wrap)
         self.daemons.append(daemon)
         if wait:
             daemon.wait_ready()

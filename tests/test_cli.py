@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ from tests.support import (
     WorkerPool,
     assert_attached,
     child_env,
+    cli_command,
     get_model,
     health,
     run_cli,
@@ -132,3 +135,87 @@ def test_systemd_units_run_as_a_dedicated_user_with_hardening(unit: Path) -> Non
     }.items():
         assert service[key] == [value], key
     assert [p.name for p in UNITS] == ["weightcache.service", "weightcache@.service"]
+
+
+def _gc_lines(result: subprocess.CompletedProcess[str], paths: list[str]) -> list[str]:
+    """The lines of ``weightcache gc`` output about ``paths`` (other dead daemons' segments
+    of this machine may be listed too)."""
+    return [line for line in result.stdout.splitlines() if any(p in line for p in paths)]
+
+
+def test_gc_removes_a_dead_daemons_segments_and_keeps_a_live_ones(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    dead = daemons.start([checkpoints.single])
+    live = daemons.start([checkpoints.other])
+    [gone] = dead.segments()
+    [kept] = live.segments()
+    size = os.stat(gone).st_size
+    dead.kill()
+
+    dry = run_cli("gc", "--dry-run")
+    assert (dry.returncode, dry.stderr) == (0, "")
+    assert _gc_lines(dry, [gone, kept]) == [
+        f"would remove {gone} ({size} bytes, daemon pid {dead.pid})"
+    ]
+    assert dead.segments() == [gone]
+
+    result = run_cli("gc")
+
+    assert (result.returncode, result.stderr) == (0, "")
+    assert _gc_lines(result, [gone, kept]) == [
+        f"removed {gone} ({size} bytes, daemon pid {dead.pid})"
+    ]
+    assert dead.segments() == []
+    assert live.segments() == [kept]
+    assert health(live.socket) == "SERVING"
+    again = run_cli("gc")
+    assert (again.returncode, _gc_lines(again, [gone, kept])) == (0, [])
+
+
+def test_ls_shows_a_failed_models_error(daemons: DaemonPool, checkpoints: Checkpoints) -> None:
+    headroom = 2**50  # no machine has it: the start-up preload is refused
+    daemon = daemons.start([checkpoints.single], args=["--headroom", str(headroom)])
+
+    result = run_cli("ls", "--socket", daemon.socket)
+
+    assert (result.returncode, result.stderr) == (0, "")
+    header, row, error = result.stdout.splitlines()
+    assert header.split()[:2] == ["NAME", "STATE"]
+    assert row.split()[:2] == ["single", "FAILED"]
+    assert error.startswith(f"single: single needs {get_model(daemon.socket, 'single').size_bytes}")
+    assert f"plus {headroom} of headroom" in error
+
+
+NOBODY = 65534
+
+
+def test_gc_removes_only_the_callers_own_dead_segments(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    """Run as another uid (``setpriv``, so root is needed), gc leaves root's dead segments
+    alone and removes the one that uid owns."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv(1) to run gc as another user")
+    dead = daemons.start([checkpoints.single, checkpoints.other])
+    mine, theirs = dead.segments()
+    dead.kill()
+    os.chown(mine, NOBODY, NOBODY)
+    size = os.stat(mine).st_size
+    as_nobody = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+    result = subprocess.run(
+        [*as_nobody, *cli_command(), "gc"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        check=False,
+    )
+
+    assert (result.returncode, result.stderr) == (0, "")
+    assert _gc_lines(result, [mine, theirs]) == [
+        f"removed {mine} ({size} bytes, daemon pid {dead.pid})"
+    ]
+    assert dead.segments() == [theirs]

@@ -333,3 +333,24 @@ def test_stress_attach_release_while_preloading_and_evicting(
     assert len(daemon.segments()) == 2
     summary = Counter((Path(r["path"]).name, r["mode"], r["source"], r["code"]) for r in records)
     print(f"stress: {len(records)} attempts by {STRESS_WORKERS} workers: {sorted(summary.items())}")
+
+
+def test_a_daemon_on_another_socket_removes_a_sigkilled_daemons_segments(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    crashed = start_ready(daemons, [checkpoints.single, checkpoints.other])
+    live = start_ready(daemons, [checkpoints.sharded])
+    stale = crashed.segments()
+    [kept] = live.segments()
+    assert len(stale) == 2
+    crashed.kill()
+
+    fresh = start_ready(daemons, socket=daemons.socket("elsewhere"))
+
+    assert crashed.segments() == []
+    log = fresh.log().splitlines()
+    for path in stale:
+        assert any(REMOVED_SEGMENT in line and path in line for line in log), path
+    assert live.segments() == [kept]  # a live daemon's segments stay
+    assert kept not in fresh.log()
+    assert health(live.socket) == "SERVING"

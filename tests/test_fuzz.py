@@ -692,16 +692,20 @@ def test_raw_bytes_get_only_documented_codes(
     except grpc.RpcError as exc:
         event(f"{'decodes' if decoded is not None else 'undecodable'} {exc.code().name}")
         if decoded is None:
-            # grpcio's asyncio server reports a request it cannot deserialize as UNKNOWN
-            # (the DecodeError surfaces as an unexpected servicer exception).
-            assert exc.code() == grpc.StatusCode.UNKNOWN, (rpc, exc.code(), exc.details())
-            assert "DecodeError" in (exc.details() or ""), exc.details()
+            # Bytes that do not decode are a malformed request like any other.
+            failure = rpc_failure(exc)
+            assert (failure.code, failure.reason, failure.metadata) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_ARGUMENT",
+                {"field": "request"},
+            ), (rpc, failure)
+            assert failure.message.startswith(f"the request to {path} does not decode: ")
         else:
             assert_documented(rpc, exc)
         return
-    # Accepted: the bytes decode, or (KeepAlive) the stream ended without a reply.
+    # Accepted: the bytes decode.
     event(f"{'decodes' if decoded is not None else 'undecodable'} OK")
-    assert decoded is not None or rpc == "KeepAlive", (rpc, raw)
+    assert decoded is not None, (rpc, raw)
 
 
 def test_daemon_serves_after_fuzzed_requests(daemons: Daemons) -> None:

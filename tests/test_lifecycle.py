@@ -7,10 +7,12 @@ Workers are forked from one zygote per module (see ``tests/fault_worker.py``).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from tests.fault_support import (
     write_big_checkpoint,
     write_sized_checkpoint,
 )
+from tests.recipe_support import children_env, environ
 from tests.support import (
     Checkpoints,
     Daemon,
@@ -39,6 +42,8 @@ from tests.support import (
     RpcFailure,
     get_model,
     health,
+    private_segments,
+    private_shm,
     rpc_failure,
     service_stub,
     shm_segments,
@@ -53,6 +58,8 @@ pytestmark = pytest.mark.timeout(300)
 #: Seconds a daemon may take to become ready; generous: the machine is shared and loaded.
 READY = 120.0
 LONG_TTL = 60.0
+#: Seconds a drain may overrun its timeout: scheduling on a loaded 2-core machine.
+DRAIN_SLACK = 1.5
 MIB = 2**20
 
 
@@ -334,9 +341,11 @@ def test_budget_refuses_a_preload_over_it_and_disturbs_nothing(
         f"second needs {2 * MIB} bytes; {MIB} of the {2 * MIB}-byte budget are held"
     )
     assert failure.metadata == {"needed": str(2 * MIB), "held": str(MIB), "budget": str(2 * MIB)}
+    # The refusal is kept (FAILED, no arena): a worker asking for it learns why.
     models = list_models(budgeted.socket)
-    assert {n: (m.state, m.size_bytes) for n, m in models.items()} == {
-        "first": (pb.MODEL_STATE_READY, MIB)
+    assert {n: (m.state, m.size_bytes, m.error) for n, m in models.items()} == {
+        "first": (pb.MODEL_STATE_READY, MIB, ""),
+        "second": (pb.MODEL_STATE_FAILED, 2 * MIB, failure.message),
     }
     assert server_info(budgeted.socket).memory_held_bytes == MIB
     assert len(budgeted.segments()) == 1
@@ -344,11 +353,35 @@ def test_budget_refuses_a_preload_over_it_and_disturbs_nothing(
     reply = kid.load(first, socket=budgeted.socket)
     assert (reply["source"], reply["digest"]) == ("cache", disk_digest(first))
     missing = kid.load(second, key="second", socket=budgeted.socket)
-    assert (missing["source"], missing["fallback_reason"]["code"]) == ("disk", "MODEL_NOT_FOUND")
+    assert (missing["source"], missing["fallback_reason"]["code"]) == ("disk", "RESOURCE_EXHAUSTED")
+    assert missing["digest"] == disk_digest(second)
 
-    assert list_models(cramped.socket) == {}
+    # A start-up preload refused for lack of memory: the worker gets that reason, and a
+    # raw Acquire the exact ErrorInfo; not MODEL_NOT_FOUND.
     assert "cannot preload" in cramped.log()
     assert "RESOURCE_EXHAUSTED" in cramped.log()
+    [refusal] = list_models(cramped.socket).values()
+    assert (refusal.name, refusal.state) == ("first", pb.MODEL_STATE_FAILED)
+    assert refusal.error.startswith(f"first needs {MIB} bytes plus {headroom} of headroom; ")
+    cramped_reply = kid.load(first, key="cramped", socket=cramped.socket)
+    assert (cramped_reply["source"], cramped_reply["fallback_reason"]["code"]) == (
+        "disk",
+        "RESOURCE_EXHAUSTED",
+    )
+    with service_stub(cramped.socket) as stub:
+        error = refused(lambda: stub.Acquire(acquire_request(first), timeout=10))
+    failure = rpc_failure(error)
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "RESOURCE_EXHAUSTED",
+    )
+    assert failure.message == f"model 'first' was not loaded: {refusal.error}"
+    assert failure.metadata == {
+        "model": "first",
+        "needed": str(MIB),
+        "headroom": str(headroom),
+        "available": failure.metadata["available"],
+    }
     with service_stub(cramped.socket) as stub:
         error = refused(lambda: list(stub.Preload(pb.PreloadRequest(path=str(first)), timeout=60)))
     failure = rpc_failure(error)
@@ -366,6 +399,75 @@ def test_budget_refuses_a_preload_over_it_and_disturbs_nothing(
         f"first needs {MIB} bytes plus {headroom} of headroom; {available} are available"
     )
     assert cramped.segments() == []
+    # Refusals are listed and evicted like any FAILED model.
+    assert evict(cramped.socket, "first").model.state == pb.MODEL_STATE_FAILED
+    assert list_models(cramped.socket) == {}
+
+
+def test_a_refused_model_is_not_answered_as_a_mismatch_with_a_look_alike(
+    daemons: DaemonPool, children: Children, checkpoints: Checkpoints
+) -> None:
+    """``sharded`` and ``other_sharded`` share a layout (shard names, sizes, headers); the
+    budget holds one. A worker asking for the refused one must learn it was refused, not
+    that the held look-alike differs in content."""
+    daemon = daemons.start(
+        [checkpoints.sharded, checkpoints.other_sharded], args=["--max-memory", "16KiB"]
+    )
+    models = list_models(daemon.socket)
+    assert {n: m.state for n, m in models.items()} == {
+        "sharded": pb.MODEL_STATE_READY,
+        "other-sharded": pb.MODEL_STATE_FAILED,
+    }
+    assert "failed=1 models=1" in daemon.log()  # counted once, though listed
+
+    with service_stub(daemon.socket) as stub:
+        request = acquire_request(checkpoints.other_sharded)
+        failure = rpc_failure(refused(lambda: stub.Acquire(request, timeout=10)))
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "RESOURCE_EXHAUSTED",
+    )
+    assert failure.metadata["model"] == "other-sharded"
+    assert failure.message == (
+        f"model 'other-sharded' was not loaded: {models['other-sharded'].error}"
+    )
+    kid = children.one()
+    reply = kid.load(checkpoints.other_sharded, socket=daemon.socket)
+    assert (reply["source"], reply["fallback_reason"]["code"]) == ("disk", "RESOURCE_EXHAUSTED")
+    assert reply["digest"] == disk_digest(checkpoints.other_sharded)
+
+
+def test_out_of_inodes_is_resource_exhausted_for_the_worker_too(
+    daemons: DaemonPool, children: Children, checkpoints: Checkpoints
+) -> None:
+    """A private /dev/shm with one free inode: of two start-up models one gets a segment,
+    the other cannot even create its file (ENOSPC from open(2))."""
+    shm = private_shm("64m", 2)
+    paths = {"single": checkpoints.single, "other": checkpoints.other}
+    daemon = daemons.start(list(paths.values()), args=["--headroom", "0"], wrap=shm)
+
+    states = {n: (m.state, m.error) for n, m in list_models(daemon.socket).items()}
+    [failed] = [n for n, (state, _) in states.items() if state == pb.MODEL_STATE_FAILED]
+    [held] = [n for n, (state, _) in states.items() if state == pb.MODEL_STATE_READY]
+    error = "cannot create a segment in /dev/shm: No space left on device"
+    assert states[failed][1] == error
+    assert len(private_segments(daemon.pid)) == 1
+    with service_stub(daemon.socket) as stub:
+        refusal = rpc_failure(
+            refused(lambda: stub.Acquire(acquire_request(paths[failed]), timeout=10))
+        )
+    assert (refusal.code, refusal.reason, refusal.metadata) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "RESOURCE_EXHAUSTED",
+        {"model": failed, "errno": "ENOSPC"},
+    )
+    assert refusal.message == f"model {failed!r} was not loaded: {error}"
+    kid = children.one()
+    reply = kid.load(paths[failed], socket=daemon.socket)
+    assert (reply["source"], reply["fallback_reason"]["code"]) == ("disk", "RESOURCE_EXHAUSTED")
+    assert reply["digest"] == disk_digest(paths[failed])
+    assert held in paths
+    assert daemon.stop() == 0
 
 
 # -- start-up ---------------------------------------------------------------------------
@@ -501,3 +603,143 @@ def test_preload_peak_memory_is_arena_plus_one_tensor(daemons: DaemonPool, big: 
     print(
         f"VmHWM idle {idle / MIB:.0f} MiB, after preload {peak / MIB:.0f} MiB (+{grew / MIB:.0f})"
     )
+
+
+# -- failed loads ------------------------------------------------------------------------
+
+
+def _truncate_when_loading(progress: Any, shard: Path, keep: int) -> list[pb.PreloadResponse]:
+    """Read a Preload stream; at its first LOADING answer, cut ``shard`` to ``keep`` bytes
+    (the header stays valid: the daemon checked it before it started reading)."""
+    seen = []
+    for answer in progress:
+        if not seen:
+            assert answer.state == pb.MODEL_STATE_LOADING, answer
+            os.truncate(shard, keep)
+        seen.append(answer)
+    return seen
+
+
+def test_a_shard_truncated_while_loading_frees_the_arena_at_once_and_evict_works(
+    daemons: DaemonPool, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    write_big_checkpoint(root / "cut", tensors=12, tensor_mib=16, largest_mib=16)
+    shard = root / "cut" / "model.safetensors"
+    daemon = start_ready(daemons, args=["--allow-remote-preload", "--model-root", str(root)])
+
+    with service_stub(daemon.socket) as stub:
+        stream = stub.Preload(pb.PreloadRequest(path=str(root / "cut")), timeout=120)
+        failure = rpc_failure(refused(lambda: _truncate_when_loading(stream, shard, MIB)))
+
+    # Freed at once, not at shutdown: no segment right after the failure.
+    assert daemon.segments() == []
+    assert (failure.code, failure.reason) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_CHECKPOINT",
+    )
+    assert "file ended inside tensor" in failure.message
+    [model] = list_models(daemon.socket).values()
+    assert (model.name, model.state) == ("cut", pb.MODEL_STATE_FAILED)
+    assert model.error == failure.message
+    assert server_info(daemon.socket).memory_held_bytes == 0
+    snapshot = evict(daemon.socket, "cut").model
+    assert (snapshot.name, snapshot.state, snapshot.error) == (
+        "cut",
+        pb.MODEL_STATE_FAILED,
+        failure.message,
+    )
+    assert list_models(daemon.socket) == {}
+    assert daemon.stop() == 0
+    assert_gone(daemon)
+
+
+def test_a_plugin_that_raises_while_loading_frees_the_arena_at_once(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(checkpoints.single, root / "single")
+    remote = ["--allow-remote-preload", "--model-root", str(root), "--allow-recipe", "fail_at"]
+    with environ(children_env(tmp_path / "hashes")):
+        daemon = start_ready(daemons, args=remote)
+    plugin = pb.RecipePlugin(name="fail_at", params={"tensor": "layers.0.mlp.weight"})
+    request = pb.PreloadRequest(path=str(root / "single"), recipe=pb.Recipe(plugins=[plugin]))
+
+    with service_stub(daemon.socket) as stub:
+        failure = rpc_failure(refused(lambda: list(stub.Preload(request, timeout=60))))
+
+    assert daemon.segments() == []
+    assert (failure.code, failure.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "MODEL_FAILED")
+    assert failure.message == (
+        "single: RuntimeError: fail_at: planted failure in layers.0.mlp.weight"
+    )
+    [model] = list_models(daemon.socket).values()
+    assert (model.name, model.state, model.error) == (
+        "single",
+        pb.MODEL_STATE_FAILED,
+        failure.message,
+    )
+    assert evict(daemon.socket, "single").model.state == pb.MODEL_STATE_FAILED
+    assert list_models(daemon.socket) == {}
+    assert health(daemon.socket) == "SERVING"
+
+
+def test_sigterm_while_a_model_loads_frees_its_arena_and_exits_cleanly(
+    daemons: DaemonPool, big: Big
+) -> None:
+    daemon = daemons.start([big.path], wait=False)
+    wait_until(
+        lambda: (
+            health(daemon.socket) is not None
+            and "big" in list_models(daemon.socket)
+            and list_models(daemon.socket)["big"].progress.bytes_done > 0
+        ),
+        READY,
+        interval=0.01,
+    )
+    assert get_model(daemon.socket, "big").state == pb.MODEL_STATE_LOADING
+
+    sigterm(daemon)
+
+    assert daemon.proc.wait(60) == 0
+    assert "cancelled at shutdown" in daemon.log()
+    assert_gone(daemon)
+
+
+def _logged_at(log: str, event: str) -> float:
+    """Seconds since the epoch of the first log line of ``event`` (console format: an ISO
+    8601 UTC time stamp, the level, the event)."""
+    for line in log.splitlines():
+        stamp, _, rest = line.partition(" ")
+        if rest.split("]", 1)[-1].split()[:1] == [event]:
+            return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    raise AssertionError(f"no {event!r} line in:\n{log}")
+
+
+def test_drain_with_a_holder_that_never_releases_exits_on_time(
+    daemons: DaemonPool, children: Children, checkpoints: Checkpoints
+) -> None:
+    """The drain timeout bounds the shutdown: the daemon exits within it plus scheduling
+    slack, not seconds later."""
+    drain_timeout = 3.0
+    daemon = start_ready(
+        daemons, [checkpoints.single], args=["--drain-timeout", str(drain_timeout)]
+    )
+    stopped = children.one()
+    attach(stopped, checkpoints.single, tensor_digest(checkpoints.tensors), socket=daemon.socket)
+    stopped.signal(signal.SIGSTOP)
+
+    sent = sigterm(daemon)
+    assert daemon.proc.wait(drain_timeout + 60) == 0
+    took = time.monotonic() - sent
+
+    log = daemon.log()
+    stopped_after = _logged_at(log, "stopped") - _logged_at(log, "draining")
+    print(f"stopped {stopped_after:.2f} s, exited {took:.2f} s after SIGTERM")
+    # The daemon's own clock: the shutdown ends with the drain timeout (it used to add
+    # the full second of gRPC grace on top, waiting on the stopped holder's stream).
+    assert drain_timeout <= stopped_after <= drain_timeout + 0.5, log
+    # The wall clock adds the interpreter's exit, slower on a loaded machine.
+    assert drain_timeout <= took <= drain_timeout + DRAIN_SLACK, took
+    assert_gone(daemon)
+    stopped.signal(signal.SIGCONT)

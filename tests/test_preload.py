@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 import weightcache
+from tests.fault_support import write_sized_checkpoint
 from tests.race_support import (
     Racing,
     pause_step,
@@ -32,6 +34,8 @@ from tests.support import (
     assert_attached,
     assert_bitwise_equal,
     health,
+    private_segments,
+    private_shm,
     rpc_failure,
     service_stub,
     shm_segments,
@@ -255,3 +259,53 @@ def test_shard_rewritten_during_preload_is_never_served_as_cache(
     assert (reply["source"], reply["fallback_reason"]["code"]) == ("disk", "MODEL_FAILED")
     assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)
     assert health(racing.daemon.socket) == "SERVING"
+
+
+def _preload_outcome(socket: str, path: Path) -> pb.PreloadResponse | RpcFailure:
+    try:
+        return preload(socket, path)[-1]
+    except grpc.RpcError as exc:
+        return rpc_failure(exc)
+
+
+def test_two_concurrent_preloads_that_fit_only_one_at_a_time_one_is_refused(
+    daemons: DaemonPool, tmp_path: Path
+) -> None:
+    """A 384 MiB /dev/shm (a private tmpfs) and two 256 MiB models: each fits alone, not
+    both. Admitted together, both used to count on the same free bytes and then run into
+    ENOSPC; the second admission must see the first's reservation."""
+    mib = 2**20
+    size = 256 * mib
+    shm = private_shm("384m", 1024)
+    root = tmp_path / "root"
+    paths = [write_sized_checkpoint(root / name, size, seed=i) for i, name in enumerate("ab")]
+    daemon = daemons.start(
+        args=["--allow-remote-preload", "--model-root", str(root), "--headroom", "0"],
+        wrap=shm,
+    )
+
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(lambda p: _preload_outcome(daemon.socket, p), paths))
+
+    ready = [o for o in outcomes if isinstance(o, pb.PreloadResponse)]
+    refusals = [o for o in outcomes if isinstance(o, RpcFailure)]
+    assert len(ready) == len(refusals) == 1, outcomes
+    assert ready[0].state == pb.MODEL_STATE_READY
+    [refusal] = refusals
+    assert (refusal.code, refusal.reason) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "RESOURCE_EXHAUSTED",
+    )
+    # Refused at admission (what the budget saw), not by ENOSPC half way into an arena.
+    available = int(refusal.metadata["available"])
+    assert refusal.metadata == {
+        "needed": str(size),
+        "headroom": "0",
+        "available": str(available),
+    }
+    assert available < size
+    listed = {m.name: m.state for m in models(daemon.socket)}
+    loser = "b" if ready[0].model == "a" else "a"
+    assert listed == {ready[0].model: pb.MODEL_STATE_READY, loser: pb.MODEL_STATE_FAILED}
+    assert len(private_segments(daemon.pid)) == 1
+    assert daemon.stop() == 0

@@ -106,7 +106,10 @@ ROOT = os.geteuid() == 0
 HOST_IP = primary_ipv4()
 IPV6 = ipv6_loopback()
 START_TIMEOUT = 150.0
-SEGMENT_NAME = re.compile(r"^weightcache-([0-9a-f]{12})-([0-9a-f]{12})-([0-9a-f]{32})$")
+#: weightcache-<socket tag>-<instance>-<owner pid>-<owner start time>-<128 random bits>
+SEGMENT_NAME = re.compile(
+    r"^weightcache-([0-9a-f]{12})-([0-9a-f]{12})-([1-9][0-9]*)-([0-9]+)-([0-9a-f]{32})$"
+)
 MEMBERSHIP_SKIP = "needs root and useradd/groupadd/runuser to create a second user"
 
 
@@ -722,7 +725,7 @@ def test_segment_names_are_random_and_differ_across_instances(restart: Restart) 
     assert first.group(2) == restart.first_instance[:12]
     assert second.group(2) == restart.second_instance[:12]
     assert restart.first_instance != restart.second_instance
-    assert first.group(3) != second.group(3)  # 128 random bits each
+    assert first.group(5) != second.group(5)  # 128 random bits each
     assert restart.first_left == []  # a clean stop removes its segments
 
 

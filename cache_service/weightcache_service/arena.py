@@ -8,6 +8,8 @@ shared memory fails the load with ENOSPC instead of a SIGBUS in the middle of a 
 from __future__ import annotations
 
 import contextlib
+import errno
+import gc
 import math
 import mmap
 import os
@@ -21,10 +23,12 @@ import torch
 from weightcache._dtypes import TORCH_DTYPES
 from weightcache._errors import ResourceExhaustedError
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.segments import SEGMENT_PREFIX, SHM_DIR
 
 ALIGNMENT = 256
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "weightcache-"
+#: errno values of a segment creation that mean "out of a resource": space or inodes of
+#: the tmpfs (ENOSPC, EDQUOT), file descriptors (EMFILE, ENFILE), kernel memory (ENOMEM).
+_EXHAUSTED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 class Arena(Protocol):
@@ -101,19 +105,31 @@ class SharedMemoryArena:
 
     Args:
         size: bytes, a multiple of 256.
-        prefix: name prefix, ``weightcache-<socket tag>-<instance id>-``; a random
-            component follows.
+        prefix: name prefix, ``weightcache-<socket tag>-<instance id>-<pid>-<start>-``
+            (see :mod:`weightcache_service.segments`); a random component follows.
         mode: permission bits (0600, or 0640 for a group).
         gid: group to give the segment, or None.
 
     Raises:
-        ResourceExhaustedError: /dev/shm has no room for ``size`` bytes.
+        ResourceExhaustedError: /dev/shm has no room for ``size`` bytes, no free inode, or
+            the process or system is out of file descriptors.
+        OSError: the segment cannot be created for another reason (e.g. EACCES).
     """
 
     def __init__(self, size: int, prefix: str, mode: int = 0o600, gid: int | None = None) -> None:
         self.size = size
         self.path = os.path.join(SHM_DIR, f"{prefix}{secrets.token_hex(16)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self._closed = False
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            # Nothing was created: there is nothing to unlink (and the name may be another's).
+            if exc.errno in _EXHAUSTED:
+                raise ResourceExhaustedError(
+                    f"cannot create a segment in {SHM_DIR}: {exc.strerror}",
+                    metadata={"errno": errno.errorcode.get(exc.errno or 0, "")},
+                ) from None
+            raise
         try:
             if gid is not None:
                 os.fchown(fd, -1, gid)
@@ -145,11 +161,24 @@ class SharedMemoryArena:
         return pb.StorageHandle(shared_memory=pb.SharedMemoryHandle(path=self.path, size=self.size))
 
     def close(self) -> None:
-        """Unmap and unlink. Workers that mapped it keep their pages (mmap(2))."""
-        del self._base
-        self._mmap.close()
+        """Unlink and unmap; a second call does nothing. Workers that mapped it keep their
+        pages (mmap(2)). Never raises: if a view of the mapping is still referenced
+        somewhere, the pages go when that view does."""
+        if self._closed:
+            return
+        self._closed = True
+        # Unlink first: the name must go even if the mapping cannot be closed yet.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        self._base = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A view still exports the buffer, e.g. held by a reference cycle of a failed
+            # read's frames; collecting the cycles usually releases it.
+            gc.collect()
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
 
 
 def remove_stale_segments(tag: str, keep_prefix: str) -> list[str]:

@@ -87,12 +87,15 @@ class MemoryBudget:
             return int(self._start_available * self.percent / 100)
         return None
 
-    def check(self, name: str, needed: int, held: int) -> None:
-        """Admit an arena of ``needed`` bytes while ``held`` bytes are held.
+    def check(self, name: str, needed: int, held: int, pending: int = 0) -> None:
+        """Admit an arena of ``needed`` bytes while ``held`` bytes are held, ``pending`` of
+        them admitted but not yet allocated (what the backend has does not show those yet,
+        so they are taken off it: two loads admitted at once cannot both count on the
+        same free bytes).
 
         Raises:
             ResourceExhaustedError: over the budget, or under the headroom; the message
-                gives every number, in bytes.
+                gives every number, in bytes ("available" net of ``pending``).
         """
         limit = self.limit
         if limit is not None and held + needed > limit:
@@ -100,7 +103,7 @@ class MemoryBudget:
                 f"{name} needs {needed} bytes; {held} of the {limit}-byte budget are held",
                 metadata={"needed": str(needed), "held": str(held), "budget": str(limit)},
             )
-        available = self.available()
+        available = self.available() - pending
         if needed + self.headroom > available:
             raise ResourceExhaustedError(
                 f"{name} needs {needed} bytes plus {self.headroom} of headroom; "

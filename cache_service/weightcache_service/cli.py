@@ -4,10 +4,14 @@ Subcommands:
 
 - ``preload MODEL_DIR... [--socket PATH] [--dtype D]``: run the daemon in the foreground,
   loading each checkpoint at start. Stops cleanly on SIGTERM or SIGINT.
-- ``ls``: the models held, their state, bytes and leases.
+- ``ls``: the models held, their state, bytes and leases; below, why each FAILED one failed.
 - ``health``: exit 0 only when the daemon is ready (usable as an exec probe).
 - ``info``: versions, backend and memory of the daemon.
 - ``evict NAME [--force]``: drop a model.
+- ``gc [--dry-run]``: remove the /dev/shm segments of daemons that died without cleaning
+  up (a SIGKILL, a crash), whatever socket they served; prints one line per segment.
+  Only the caller's own segments, or any for root; a live daemon's are never touched.
+  Exits 0, or 1 when /dev/shm cannot be read or a segment cannot be removed.
 
 Every client subcommand takes ``--socket`` (default ``$WEIGHTCACHE_SOCKET``, then the
 per-user default path) and exits 1 with the daemon's reason when a request fails.
@@ -67,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightcache",
         description="Serve preloaded model weights to workers (preload), and look after the "
-        "daemon (health, ls, info, evict).",
+        "daemon (health, ls, info, evict, gc).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -156,6 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     evict.add_argument("--force", action="store_true")
     evict.add_argument("--socket", default=None)
     evict.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    gc = sub.add_parser("gc", help="remove the shared-memory segments of dead daemons")
+    gc.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     return parser
 
 
@@ -164,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "preload":
         return _preload(args)
+    if args.command == "gc":
+        return _gc(args.dry_run)
     socket = args.socket or default_socket()
     if args.command == "health":
         return _health(socket, args.timeout)
@@ -329,6 +337,9 @@ def _ls(socket: str, timeout: float) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    for m in reply.models:
+        if m.error:  # a FAILED model: why, below the table
+            print(f"{m.name}: {m.error}")
     return 0
 
 
@@ -356,6 +367,32 @@ def _evict(socket: str, name: str, force: bool, timeout: float) -> int:
         call(lambda: stub.Evict(pb.EvictRequest(name=name, force=force), timeout=timeout))
     print(f"evicted {name}" if not force else f"evicting {name}")
     return 0
+
+
+def _gc(dry_run: bool) -> int:
+    from weightcache_service.segments import SHM_DIR, dead_segments
+
+    try:
+        dead = dead_segments()
+    except OSError as exc:
+        print(f"weightcache gc: cannot list {SHM_DIR}: {exc.strerror}", file=sys.stderr)
+        return EXIT_FAILURE
+    status = 0
+    for segment in dead:
+        what = f"{segment.path} ({segment.size} bytes, daemon pid {segment.pid})"
+        if dry_run:
+            print(f"would remove {what}")
+            continue
+        try:
+            os.unlink(segment.path)
+        except FileNotFoundError:
+            continue  # another gc, or a starting daemon, was first
+        except OSError as exc:
+            print(f"weightcache gc: cannot remove {segment.path}: {exc.strerror}", file=sys.stderr)
+            status = EXIT_FAILURE
+            continue
+        print(f"removed {what}")
+    return status
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ class CudaArena:
         self.size = size
         self.index = index
         self.uuid = device_uuid(index)
+        self._closed = False
         rt = runtime()
         with torch.cuda.device(index):
             rt.set_device(index)
@@ -74,8 +75,12 @@ class CudaArena:
         )
 
     def close(self) -> None:
-        """Free the allocation (after every lease on it has ended)."""
-        del self._base
+        """Free the allocation (after every lease on it has ended); a second call does
+        nothing (a second cudaFree of the pointer could free someone else's memory)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._base = torch.empty(0, dtype=torch.uint8)
         with torch.cuda.device(self.index):
             torch.cuda.synchronize(self.index)
             rt = runtime()

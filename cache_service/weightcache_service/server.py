@@ -22,17 +22,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from weightcache._errors import ModelExistsError, WeightCacheError
+from weightcache._errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
 from weightcache._fingerprint import Level
 from weightcache._recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
-from weightcache_service.arena import SEGMENT_PREFIX, remove_stale_segments
+from weightcache_service.arena import remove_stale_segments
 from weightcache_service.authz import AuthorizationInterceptor, Policy
 from weightcache_service.backend import cpu_backend, cuda_backend, resolve_device
 from weightcache_service.budget import MemoryBudget
+from weightcache_service.guard import StatusGuard
 from weightcache_service.leases import LeaseTable
+from weightcache_service.segments import SEGMENT_PREFIX, owner_part, remove_dead_segments
 from weightcache_service.service import ServiceOptions, WeightCacheService
 from weightcache_service.socket_lock import SocketLock
 from weightcache_service.store import Store
@@ -160,7 +162,8 @@ class Daemon:
         self.config = config
         self.instance_id = uuid.uuid4().hex
         tag = socket_tag(config.socket)
-        self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-"
+        owner = owner_part()  # lets any later daemon tell this one's segments are garbage
+        self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-{owner}-"
         self._tag = tag
         if config.device == "cpu":
             self.backend = cpu_backend(self._segment_prefix, config.access)
@@ -176,6 +179,7 @@ class Daemon:
         self.health = health_aio.HealthServicer()
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
+        self._drain_deadline: float | None = None
 
     def stop(self) -> None:
         """Ask the daemon to drain and shut down; a second call skips the rest of the
@@ -211,11 +215,24 @@ class Daemon:
             os.unlink(socket)  # we hold the lock: whoever bound it is gone
         for path in remove_stale_segments(self._tag, self._segment_prefix):
             log.warning("removed a dead daemon's segment", path=path)
+        # Dead daemons of other sockets too: a crash followed by a restart elsewhere must
+        # not leave its memory behind for good.
+        try:
+            dead = remove_dead_segments()
+        except OSError as exc:
+            log.warning("cannot look for dead daemons' segments", error=str(exc))
+            dead = []
+        for segment in dead:
+            log.warning("removed a dead daemon's segment", path=segment.path, pid=segment.pid)
 
     async def _start_server(self, socket: str) -> grpc.aio.Server:
         tcp = self.config.tcp
         server = grpc.aio.server(
-            interceptors=[AuthorizationInterceptor(tcp.policy if tcp else Policy())],
+            # Outermost first: a peer is authorized before its request is even judged.
+            interceptors=[
+                AuthorizationInterceptor(tcp.policy if tcp else Policy()),
+                StatusGuard(f"/{SERVICE_NAME}/"),
+            ],
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
@@ -269,7 +286,7 @@ class Daemon:
         timeout = self.config.options.drain_timeout
         log.info("draining", leases=live, timeout=timeout)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = self._drain_deadline = loop.time() + timeout
         while len(self.service.leases) and loop.time() < deadline and not self._force.is_set():
             await asyncio.sleep(0.05)
         log.info("drained", leases_left=len(self.service.leases))
@@ -292,7 +309,9 @@ class Daemon:
             except ModelExistsError as err:
                 log.warning("already held", path=spec.path, error=err.detail)
             except WeightCacheError as err:
-                refused += 1
+                # A model refused for lack of memory stays listed (FAILED): counted below.
+                if not isinstance(err, ResourceExhaustedError):
+                    refused += 1
                 log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
             except Exception as err:
                 # Never let one model stop the others or leave health NOT_SERVING forever.
@@ -312,12 +331,21 @@ class Daemon:
             bytes=self.store.held_bytes(),
         )
 
+    def _grace(self) -> float:
+        """Seconds in-flight RPCs get: ``config.grace``, but never past the end of the
+        drain timeout (a KeepAlive stream of a holder that never reads would otherwise
+        hold the exit for the whole grace)."""
+        if self._drain_deadline is None:
+            return self.config.grace
+        left = self._drain_deadline - asyncio.get_running_loop().time()
+        return min(self.config.grace, max(0.0, left))
+
     async def _shutdown(self, server: grpc.aio.Server) -> None:
         log.info("shutting down", leases=len(self.service.leases))
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
         self.service.close_sessions()
-        await server.stop(self.config.grace)
+        await server.stop(self._grace())
         await self.service.wait_loads()
         self.store.close()
         log.info("stopped")

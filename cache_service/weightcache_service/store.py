@@ -21,6 +21,7 @@ from weightcache._errors import (
     ModelFailedError,
     ModelLoadingError,
     ModelNotFoundError,
+    ResourceExhaustedError,
     WeightCacheError,
 )
 from weightcache._fingerprint import Fingerprint
@@ -100,6 +101,9 @@ class Store:
     ) -> Entry:
         """Register a model in state LOADING and size its arena from the planned specs.
 
+        A model refused for lack of memory stays registered as FAILED (no arena), so that
+        a worker asking for it learns why (:meth:`find`).
+
         Raises:
             ModelExistsError: a model with the same fingerprint is already held.
             ResourceExhaustedError: the arena would not fit the memory budget.
@@ -121,7 +125,14 @@ class Store:
         )
         entry.data_bytes = sum(slot.nbytes for slot in entry.slots)
         if self.budget is not None:
-            self.budget.check(entry.name, entry.size, self.held_bytes())
+            try:
+                held, pending = self.held_bytes(), self.pending_bytes()
+                self.budget.check(entry.name, entry.size, held, pending)
+            except ResourceExhaustedError as err:
+                _fail(entry, ResourceExhaustedError(err.detail, metadata=dict(err.metadata)))
+                entry.finished.set()  # no load will run: nothing to wait for at shutdown
+                self._entries[entry.name] = entry
+                raise
         self._entries[entry.name] = entry
         return entry
 
@@ -161,15 +172,18 @@ class Store:
             # Built once, in the load thread: for CUDA it waits for every copy to land.
             entry.handle = entry.arena.handle()
         except WeightCacheError as exc:
-            entry.failure = exc
+            _fail(entry, exc)
         except Exception as exc:
             # Plugin code and torch raise anything; whatever it is, the load has failed
             # and must say so, not leave the model LOADING with its arena held.
-            entry.failure = ModelFailedError(f"{entry.name}: {type(exc).__name__}: {exc}")
-        if entry.failure is not None:
-            entry.error = str(entry.failure)
-            entry.state = pb.MODEL_STATE_FAILED
-            self._free(entry)
+            _fail(entry, ModelFailedError(f"{entry.name}: {type(exc).__name__}: {exc}"))
+        finally:
+            # Every way out but success frees the arena at once, whatever escaped.
+            if entry.handle is None:
+                if entry.failure is None:
+                    _fail(entry, ModelFailedError(f"load of {entry.name!r} was interrupted"))
+                self._free(entry)
+        if entry.state == pb.MODEL_STATE_FAILED:
             return
         entry.load_seconds = time.monotonic() - start
         entry.state = pb.MODEL_STATE_READY
@@ -190,9 +204,14 @@ class Store:
     def find(self, fp: pb.Fingerprint, path: str) -> Entry:
         """The READY model whose fingerprint is ``fp``.
 
+        A FAILED model answers for its fingerprint, and for its path before any other
+        model is compared.
+
         Raises:
             ModelLoadingError: the model is still loading.
-            ModelFailedError: the model failed to load.
+            ResourceExhaustedError: the model was refused or failed for lack of memory.
+            ModelFailedError: the model failed to load (``metadata["cause"]`` is the
+                failure's reason code).
             FingerprintMismatchError: no exact match, but a held model has the same path or
                 the same layout (shard names, sizes, headers); ``metadata["components"]``
                 lists what differs.
@@ -202,6 +221,11 @@ class Store:
         for entry in candidates:
             if entry.fingerprint.digest == fp.digest:
                 return _ready(entry)
+        # A model of this path that the daemon failed to hold explains the miss better than
+        # an unrelated held model that happens to share a layout.
+        for entry in candidates:
+            if entry.state == pb.MODEL_STATE_FAILED and str(entry.checkpoint.root) == path:
+                _ready(entry)
         wanted = {c.name: c.digest for c in fp.components}
         best: tuple[int, Entry, list[str]] | None = None
         for entry in candidates:
@@ -243,6 +267,15 @@ class Store:
         """Bytes of arenas held or reserved by a load in progress."""
         return sum(e.size for e in self._entries.values() if e.state != pb.MODEL_STATE_FAILED)
 
+    def pending_bytes(self) -> int:
+        """Bytes admitted but not yet allocated: loads whose arena does not exist yet, which
+        the backend's free space (statvfs, MemAvailable) does not show."""
+        return sum(
+            e.size
+            for e in self._entries.values()
+            if e.state == pb.MODEL_STATE_LOADING and e.arena is None
+        )
+
     def close(self) -> None:
         """Free every arena (at shutdown)."""
         for entry in list(self._entries.values()):
@@ -267,6 +300,15 @@ def clip(text: str) -> str:
     return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "…"
 
 
+def _fail(entry: Entry, error: WeightCacheError) -> None:
+    """Mark ``entry`` FAILED with ``error``, kept without its traceback: the frames of a
+    failed read hold views of the arena, which would keep it mapped."""
+    error.__traceback__ = error.__context__ = error.__cause__ = None
+    entry.failure = error
+    entry.error = str(error)
+    entry.state = pb.MODEL_STATE_FAILED
+
+
 def _ready(entry: Entry) -> Entry:
     if entry.state == pb.MODEL_STATE_READY:
         return entry
@@ -279,7 +321,14 @@ def _ready(entry: Entry) -> Entry:
                 "bytes_total": str(entry.data_bytes),
             },
         )
+    failure = entry.failure
+    if isinstance(failure, ResourceExhaustedError):
+        raise ResourceExhaustedError(
+            f"model {entry.name!r} was not loaded: {entry.error}",
+            metadata={**failure.metadata, "model": entry.name},
+        )
+    cause = {"cause": failure.reason} if failure is not None else {}
     raise ModelFailedError(
         f"model {entry.name!r} is {pb.ModelState.Name(entry.state)}: {entry.error}",
-        metadata={"model": entry.name},
+        metadata={"model": entry.name, **cause},
     )

@@ -29,7 +29,8 @@ Hierarchy::
         ├── ModelExistsError            Preload of a model already held
         ├── DrainingError               the daemon is shutting down
         ├── NotSameHostError            Acquire over TCP from another host
-        └── UnauthenticatedError        an RPC over TCP that needs a client certificate
+        ├── UnauthenticatedError        an RPC over TCP that needs a client certificate
+        └── InternalError               the daemon failed unexpectedly (``exception``)
 """
 
 from __future__ import annotations
@@ -229,6 +230,14 @@ class UnauthenticatedError(RemoteError):
     status_code = "UNAUTHENTICATED"
 
 
+class InternalError(RemoteError):
+    """The daemon failed in a way it does not describe; ``metadata["exception"]`` names
+    the exception type and the daemon's log has the traceback."""
+
+    reason = "INTERNAL"
+    status_code = "INTERNAL"
+
+
 #: Every reason a daemon sends, with the one exception class that carries it. The proto's
 #: ``ErrorReason`` enum names the same reasons (``ERROR_REASON_<reason>``), and each class's
 #: ``status_code`` is the gRPC code that enum's comment documents (tests/test_errors.py).
@@ -250,6 +259,7 @@ DAEMON_ERRORS: dict[str, type[WeightCacheError]] = {
         UnauthenticatedError,
         InvalidCheckpointError,
         RecipeError,
+        InternalError,
     )
 }
 

@@ -7,6 +7,7 @@ Put this folder on ``sys.path`` (``PYTHONPATH``) and ``importlib.metadata`` find
   ``weight`` or ``bias``) becomes one ``P.<out>.W``, their concatenation along dim 0, in the
   place of ``q``; q, k and v are removed. Parameter ``out`` (default ``qkv_proj``).
 - ``drop_tensors``: removes the tensors whose names match the glob ``pattern``.
+- ``fail_at``: raises while the tensor named by parameter ``tensor`` is computed.
 
 Both plan from specs alone: nothing is read until the daemon (or the disk path)
 materialises the nodes.
@@ -90,3 +91,20 @@ class DropTensors:
         _check_params(self.name, params, {"pattern"})
         pattern = params["pattern"]
         return {n: node for n, node in nodes.items() if not fnmatch.fnmatchcase(n, pattern)}
+
+
+class FailAt:
+    """Fail while the daemon computes one tensor (parameter ``tensor``): a plugin bug that
+    shows only once loading has started, for the tests of failed loads."""
+
+    name = "fail_at"
+    version = "0.1"
+
+    def transform(self, nodes: dict[str, Node], params: Mapping[str, str]) -> dict[str, Node]:
+        _check_params(self.name, params, {"tensor"})
+        target = params["tensor"]
+
+        def fail(reader: object) -> torch.Tensor:
+            raise RuntimeError(f"fail_at: planted failure in {target}")
+
+        return {n: Node(node.spec, fail) if n == target else node for n, node in nodes.items()}

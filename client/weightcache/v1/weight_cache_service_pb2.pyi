@@ -29,6 +29,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_NOT_SAME_HOST: _ClassVar[ErrorReason]
     ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
     ERROR_REASON_INVALID_RECIPE: _ClassVar[ErrorReason]
+    ERROR_REASON_INTERNAL: _ClassVar[ErrorReason]
 
 class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -67,6 +68,7 @@ ERROR_REASON_DRAINING: ErrorReason
 ERROR_REASON_NOT_SAME_HOST: ErrorReason
 ERROR_REASON_UNAUTHENTICATED: ErrorReason
 ERROR_REASON_INVALID_RECIPE: ErrorReason
+ERROR_REASON_INTERNAL: ErrorReason
 MODEL_STATE_UNSPECIFIED: ModelState
 MODEL_STATE_LOADING: ModelState
 MODEL_STATE_READY: ModelState
