@@ -321,6 +321,7 @@ def test_systemd_template_runs_one_daemon_per_gpu_instance() -> None:
     assert service["Environment"].split() == [
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False",
         "CUDA_DEVICE_ORDER=PCI_BUS_ID",
+        "WEIGHTCACHE_HASH_CACHE=/var/cache/weightcache/sha256",
     ]
     assert service["KillSignal"] == "SIGTERM"
     # Stopping waits for the drain (--drain-timeout, default 30 s) and then some.
