@@ -134,6 +134,8 @@ class AuthorizationInterceptor(_Interceptor):
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
+        # Wrapped once per method, not per call: Acquire and KeepAlive pass through here.
+        self._wrapped: dict[str, Handler] = {}
 
     async def intercept_service(
         self,
@@ -144,6 +146,12 @@ class AuthorizationInterceptor(_Interceptor):
         method: str = handler_call_details.method
         if handler is None or RULES.get(method) is Need.ANYONE:
             return handler
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            wrapped = self._wrapped[method] = self._guard(handler, method)
+        return wrapped
+
+    def _guard(self, handler: Handler, method: str) -> Handler:
 
         async def check(context: grpc.aio.ServicerContext[Any, Any]) -> None:
             error = refusal(method, self.policy, context.peer(), certificate_names(context))

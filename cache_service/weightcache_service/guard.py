@@ -71,6 +71,8 @@ class StatusGuard(_Interceptor):
 
     def __init__(self, prefix: str) -> None:
         self._prefix = prefix
+        # Wrapped once per method, not per call: Acquire and KeepAlive pass through here.
+        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -83,7 +85,10 @@ class StatusGuard(_Interceptor):
         method: str = handler_call_details.method
         if handler is None or not method.startswith(self._prefix):
             return handler
-        return _guarded(handler, method)
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            wrapped = self._wrapped[method] = _guarded(handler, method)
+        return wrapped
 
 
 def _guarded(handler: Any, method: str) -> grpc.RpcMethodHandler[Any, Any]:
