@@ -125,7 +125,7 @@ def measure_here(level: str, model_dir: str) -> dict[str, Any]:
     """Time open_checkpoint + compute_fingerprint at ``level`` (imports not included);
     count the files actually hashed."""
     import weightcache
-    import weightcache._hashcache as hashcache
+    from weightcache.core import hashcache
 
     hashed: list[str] = []
     real_hash = hashcache._hash

@@ -214,7 +214,7 @@ def print_results(seconds: dict[str, list[float]]) -> None:
 
 def describe_device(device: torch.device) -> str:
     """Name, UUID and runtime versions of the device, for the header."""
-    from weightcache._cuda import device_uuid, is_rocm
+    from weightcache.core.cuda import device_uuid, is_rocm
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     runtime = f"HIP {torch.version.hip}" if is_rocm() else f"CUDA {torch.version.cuda}"

@@ -36,10 +36,10 @@ from tests.support import (
     service_stub,
 )
 from tests.worker_common import tensor_digest
-from weightcache._checkpoint import open_checkpoint
-from weightcache._fingerprint import Level, compute_fingerprint
 from weightcache._loader import _acquire_request
-from weightcache._recipe import Placement, Recipe
+from weightcache.core.checkpoint import open_checkpoint
+from weightcache.core.fingerprint import Level, compute_fingerprint
+from weightcache.core.recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 ZYGOTE_SCRIPT = Path(__file__).resolve().parent / "fault_worker.py"

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 import weightcache
-import weightcache._hashcache
+import weightcache.core.hashcache
 from tests.support import (
     INDEX_FILE,
     METADATA,
@@ -360,18 +360,18 @@ def write_hub_repo(
 
 
 class HashCounter:
-    """Wraps ``weightcache._hashcache._hash``: the files actually read, in order."""
+    """Wraps ``weightcache.core.hashcache._hash``: the files actually read, in order."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.read: list[str] = []
-        real = weightcache._hashcache._hash
+        real = weightcache.core.hashcache._hash
 
         def counting(fd: int, path: Path) -> str:
             self.read.append(os.path.basename(path))
             digest: str = real(fd, path)
             return digest
 
-        monkeypatch.setattr(weightcache._hashcache, "_hash", counting)
+        monkeypatch.setattr(weightcache.core.hashcache, "_hash", counting)
 
     def take(self) -> list[str]:
         read, self.read = self.read, []

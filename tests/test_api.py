@@ -11,7 +11,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 import weightcache
-from weightcache._errors import ERROR_DOMAIN, error_for_reason
+from weightcache.core.errors import ERROR_DOMAIN, error_for_reason
 from weightcache_service.status import to_grpc_status
 
 

@@ -23,7 +23,7 @@ from tests.support import (
     flipped,
     get_model,
 )
-from weightcache._dtypes import SUB_BYTE, TORCH_DTYPES
+from weightcache.core.dtypes import SUB_BYTE, TORCH_DTYPES
 
 Layout = Literal["single", "sharded"]
 EXPECTED_DTYPES = {

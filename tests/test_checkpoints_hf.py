@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import weightcache
-import weightcache._hashcache
+import weightcache.core.hashcache
 from tests.recipe_support import (
     TEST_TIMEOUT,
     HashCounter,
@@ -214,7 +214,7 @@ def test_full_fingerprint_of_blobs_comes_from_their_names(
         tmp_path / "hub", "acme/renamed", setup.hub.snapshot, COMMIT, blob_name=fake
     )
     for shard in (SHARD_1, SHARD_2):
-        assert weightcache._hashcache.file_sha256(renamed.snapshot / shard) == fake[shard]
+        assert weightcache.core.hashcache.file_sha256(renamed.snapshot / shard) == fake[shard]
     from_renamed = _full(renamed.snapshot)
     assert hashes.take() == []
     assert from_renamed.differing(from_files) == [f"checkpoint/{SHARD_1}", f"checkpoint/{SHARD_2}"]

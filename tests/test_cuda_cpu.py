@@ -27,8 +27,11 @@ import pytest
 import torch
 
 from tests.support import run_cli, short_tempdir
-from weightcache import _cuda
-from weightcache._cuda import (
+from weightcache._handles import open_cuda_ipc
+from weightcache._lease import default_policy
+from weightcache._loader import _FALLBACK_REASONS, _Attach
+from weightcache.core import cuda as _cuda
+from weightcache.core.cuda import (
     IPC_HANDLE_BYTES,
     CudaError,
     DeviceNotVisibleError,
@@ -37,10 +40,7 @@ from weightcache._cuda import (
     local_index,
     open_ipc,
 )
-from weightcache._errors import HandleError, WeightCacheError
-from weightcache._handles import open_cuda_ipc
-from weightcache._lease import default_policy
-from weightcache._loader import _FALLBACK_REASONS, _Attach
+from weightcache.core.errors import HandleError, WeightCacheError
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import plan_slots
 from weightcache_service.cli import _parser

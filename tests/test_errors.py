@@ -13,8 +13,8 @@ from google.rpc import error_details_pb2, status_pb2
 
 import weightcache
 from tests.support import TESTS
-from weightcache import _errors
-from weightcache._errors import DAEMON_ERRORS, ERROR_DOMAIN, error_for_reason
+from weightcache.core import errors as _errors
+from weightcache.core.errors import DAEMON_ERRORS, ERROR_DOMAIN, error_for_reason
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.status import to_grpc_status
 

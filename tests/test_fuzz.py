@@ -48,7 +48,7 @@ from tests.support import (
     rpc_failure,
     service_stub,
 )
-from weightcache._dtypes import TORCH_DTYPES
+from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 

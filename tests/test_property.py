@@ -49,7 +49,7 @@ from tests.recipe_support import (
     write_shards,
 )
 from tests.support import SINGLE_FILE, Daemon, DaemonPool, assert_attached, assert_bitwise_equal
-from weightcache._dtypes import CASTABLE, TORCH_DTYPES
+from weightcache.core.dtypes import CASTABLE, TORCH_DTYPES
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(TEST_TIMEOUT)

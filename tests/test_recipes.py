@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 import weightcache
-import weightcache._hashcache
+import weightcache.core.hashcache
 from tests.recipe_support import (
     PLUGINS,
     TEST_TIMEOUT,
@@ -532,15 +532,16 @@ def test_full_hashes_are_cached_on_disk_and_redone_when_a_file_changes(
     # A file whose size changed is hashed again too (a plain file: not a checkpoint).
     plain = tmp_path / "blob.bin"
     plain.write_bytes(b"x" * 1000)
-    digest = weightcache._hashcache.file_sha256(plain)
+    digest = weightcache.core.hashcache.file_sha256(plain)
     assert digest == hashlib.sha256(b"x" * 1000).hexdigest()
-    assert weightcache._hashcache.file_sha256(plain) == digest
+    assert weightcache.core.hashcache.file_sha256(plain) == digest
     assert hashes.take() == ["blob.bin"]
     mtime = os.stat(plain).st_mtime_ns
     with open(plain, "ab") as fh:
         fh.write(b"y")
     os.utime(plain, ns=(mtime, mtime))  # same mtime: only the size tells
     assert (
-        weightcache._hashcache.file_sha256(plain) == hashlib.sha256(b"x" * 1000 + b"y").hexdigest()
+        weightcache.core.hashcache.file_sha256(plain)
+        == hashlib.sha256(b"x" * 1000 + b"y").hexdigest()
     )
     assert hashes.take() == ["blob.bin"]

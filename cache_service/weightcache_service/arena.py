@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from weightcache._dtypes import TORCH_DTYPES
-from weightcache._errors import ResourceExhaustedError
+from weightcache.core.dtypes import TORCH_DTYPES
+from weightcache.core.errors import ResourceExhaustedError
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.segments import SEGMENT_PREFIX, SHM_DIR
 

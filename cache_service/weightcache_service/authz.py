@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from weightcache._errors import PermissionDeniedError, UnauthenticatedError, WeightCacheError
+from weightcache.core.errors import PermissionDeniedError, UnauthenticatedError, WeightCacheError
 from weightcache_service.status import to_grpc_status
 
 # grpc's classes are generic only in grpc-stubs, not at run time.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightcache._cuda import device_uuid, local_index
+from weightcache.core.cuda import device_uuid, local_index
 from weightcache_service.access import Access
 from weightcache_service.arena import Arena, SharedMemoryArena
 from weightcache_service.budget import cpu_available_bytes

@@ -30,8 +30,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from weightcache._errors import RecipeError, WeightCacheError
-from weightcache._rpc import call, connect, default_socket, target
+from weightcache.core.errors import RecipeError, WeightCacheError
+from weightcache.core.rpc import call, connect, default_socket, target
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 # The daemon's modules (and torch) are imported inside `preload` only, so that `health`,
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 #: Health service name of the weight cache (grpc.health.v1).
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
-#: The levels of weightcache._fingerprint.LEVELS (tested equal), named here without torch.
+#: The levels of weightcache.core.fingerprint.LEVELS (tested equal), named here without torch.
 FINGERPRINT_LEVELS = ("layout", "sampled", "full")
 
 EXIT_FAILURE = 1
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _daemon_socket(args: argparse.Namespace) -> str:
     """``--socket``, else the default path for the device: its UUID names a GPU's."""
-    from weightcache._cuda import device_uuid
+    from weightcache.core.cuda import device_uuid
     from weightcache_service.backend import resolve_device
 
     if args.socket:
@@ -199,9 +199,9 @@ def _daemon_socket(args: argparse.Namespace) -> str:
 
 
 def _preload(args: argparse.Namespace) -> int:
-    from weightcache._plugins import PluginStep
-    from weightcache._recipe import Placement, Recipe, parse_dtype
-    from weightcache._tp import TPPlan
+    from weightcache.core.plugins import PluginStep
+    from weightcache.core.recipe import Placement, Recipe, parse_dtype
+    from weightcache.core.tp import TPPlan
     from weightcache_service.access import Access, AccessError
     from weightcache_service.backend import DeviceError
     from weightcache_service.budget import MemoryBudget, parse_size

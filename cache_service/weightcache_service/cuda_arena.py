@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from weightcache._cuda import IPC_HANDLE_BYTES, device_tensor, device_uuid, runtime
-from weightcache._errors import CudaError, ResourceExhaustedError
+from weightcache.core.cuda import IPC_HANDLE_BYTES, device_tensor, device_uuid, runtime
+from weightcache.core.errors import CudaError, ResourceExhaustedError
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import Slot, write_slot
 

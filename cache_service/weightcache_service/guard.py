@@ -21,7 +21,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from weightcache._errors import InternalError, InvalidArgumentError, WeightCacheError
+from weightcache.core.errors import InternalError, InvalidArgumentError, WeightCacheError
 from weightcache_service.status import to_grpc_status
 
 log = structlog.get_logger("weightcache.daemon")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from weightcache._errors import InvalidArgumentError, ResourceExhaustedError
+from weightcache.core.errors import InvalidArgumentError, ResourceExhaustedError
 
 Clock = Callable[[], float]
 

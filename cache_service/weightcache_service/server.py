@@ -22,9 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from weightcache._errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
-from weightcache._fingerprint import Level
-from weightcache._recipe import Placement, Recipe
+from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
+from weightcache.core.fingerprint import Level
+from weightcache.core.recipe import Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen

@@ -16,8 +16,8 @@ import structlog
 import torch
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from weightcache._checkpoint import Checkpoint, open_checkpoint
-from weightcache._errors import (
+from weightcache.core.checkpoint import Checkpoint, open_checkpoint
+from weightcache.core.errors import (
     DrainingError,
     FingerprintMismatchError,
     InvalidArgumentError,
@@ -28,17 +28,17 @@ from weightcache._errors import (
     PermissionDeniedError,
     WeightCacheError,
 )
-from weightcache._fingerprint import (
+from weightcache.core.fingerprint import (
     Fingerprint,
     Level,
     compute_fingerprint,
     fingerprint_pb,
     level_from_pb,
 )
-from weightcache._plugins import PluginStep
-from weightcache._recipe import Pipeline, Placement, Recipe, parse_dtype
-from weightcache._tp import TPPlan, over_bounds
-from weightcache._version import PROTOCOL_VERSION, __version__
+from weightcache.core.plugins import PluginStep
+from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
+from weightcache.core.tp import TPPlan, over_bounds
+from weightcache.core.version import PROTOCOL_VERSION, __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_is_local

@@ -12,7 +12,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from weightcache._errors import DAEMON_ERRORS, ERROR_DOMAIN, WeightCacheError
+from weightcache.core.errors import DAEMON_ERRORS, ERROR_DOMAIN, WeightCacheError
 
 
 def to_grpc_status(error: WeightCacheError) -> grpc.Status:

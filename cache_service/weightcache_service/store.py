@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from weightcache._checkpoint import Checkpoint
-from weightcache._errors import (
+from weightcache.core.checkpoint import Checkpoint
+from weightcache.core.errors import (
     FingerprintMismatchError,
     ModelExistsError,
     ModelFailedError,
@@ -24,9 +24,9 @@ from weightcache._errors import (
     ResourceExhaustedError,
     WeightCacheError,
 )
-from weightcache._fingerprint import Fingerprint
-from weightcache._pipeline import CheckpointReader, materialize
-from weightcache._recipe import Pipeline, Placement, Recipe
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.pipeline import CheckpointReader, materialize
+from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import Arena, Slot, plan_slots
 from weightcache_service.budget import MemoryBudget

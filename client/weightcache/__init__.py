@@ -9,14 +9,17 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from weightcache._checkpoint import (
+    from weightcache._lease import EXIT_LEASE_LOST
+    from weightcache._loader import FallbackReason, LoadedWeights, load, load_from_disk
+    from weightcache._module import load_into
+    from weightcache.core.checkpoint import (
         Checkpoint,
         ShardInfo,
         TensorInfo,
         hub_snapshot,
         open_checkpoint,
     )
-    from weightcache._errors import (
+    from weightcache.core.errors import (
         CudaError,
         DaemonUnavailableError,
         DeviceNotVisibleError,
@@ -42,68 +45,65 @@ if _typing.TYPE_CHECKING:
         UntrustedSocketError,
         WeightCacheError,
     )
-    from weightcache._fingerprint import Fingerprint, compute_fingerprint
-    from weightcache._lease import EXIT_LEASE_LOST
-    from weightcache._loader import FallbackReason, LoadedWeights, load, load_from_disk
-    from weightcache._module import load_into
-    from weightcache._pipeline import Node, TensorSpec
-    from weightcache._plugins import ENTRY_POINT_GROUP, PluginStep, RecipePlugin
-    from weightcache._recipe import Placement, Recipe
-    from weightcache._rpc import default_socket
-    from weightcache._tp import TPPlan
-    from weightcache._version import PROTOCOL_VERSION, __version__
+    from weightcache.core.fingerprint import Fingerprint, compute_fingerprint
+    from weightcache.core.pipeline import Node, TensorSpec
+    from weightcache.core.plugins import ENTRY_POINT_GROUP, PluginStep, RecipePlugin
+    from weightcache.core.recipe import Placement, Recipe
+    from weightcache.core.rpc import default_socket
+    from weightcache.core.tp import TPPlan
+    from weightcache.core.version import PROTOCOL_VERSION, __version__
 
 # Attributes are imported on first use (PEP 562) so that `import weightcache` and the
 # `weightcache health` probe do not pay for importing torch.
 _SOURCES = {
-    "Checkpoint": "weightcache._checkpoint",
-    "ShardInfo": "weightcache._checkpoint",
-    "TensorInfo": "weightcache._checkpoint",
-    "hub_snapshot": "weightcache._checkpoint",
-    "open_checkpoint": "weightcache._checkpoint",
-    "CudaError": "weightcache._errors",
-    "DaemonUnavailableError": "weightcache._errors",
-    "DeviceNotVisibleError": "weightcache._errors",
-    "DrainingError": "weightcache._errors",
-    "FingerprintMismatchError": "weightcache._errors",
-    "HandleError": "weightcache._errors",
-    "InternalError": "weightcache._errors",
-    "InvalidArgumentError": "weightcache._errors",
-    "InvalidCheckpointError": "weightcache._errors",
-    "LeaseLostError": "weightcache._errors",
-    "LeaseNotFoundError": "weightcache._errors",
-    "LeasesActiveError": "weightcache._errors",
-    "ModelExistsError": "weightcache._errors",
-    "ModelFailedError": "weightcache._errors",
-    "ModelLoadingError": "weightcache._errors",
-    "ModelNotFoundError": "weightcache._errors",
-    "NotSameHostError": "weightcache._errors",
-    "PermissionDeniedError": "weightcache._errors",
-    "RecipeError": "weightcache._errors",
-    "RemoteError": "weightcache._errors",
-    "ResourceExhaustedError": "weightcache._errors",
-    "UnauthenticatedError": "weightcache._errors",
-    "UntrustedSocketError": "weightcache._errors",
-    "WeightCacheError": "weightcache._errors",
-    "Fingerprint": "weightcache._fingerprint",
-    "compute_fingerprint": "weightcache._fingerprint",
+    "Checkpoint": "weightcache.core.checkpoint",
+    "ShardInfo": "weightcache.core.checkpoint",
+    "TensorInfo": "weightcache.core.checkpoint",
+    "hub_snapshot": "weightcache.core.checkpoint",
+    "open_checkpoint": "weightcache.core.checkpoint",
+    "CudaError": "weightcache.core.errors",
+    "DaemonUnavailableError": "weightcache.core.errors",
+    "DeviceNotVisibleError": "weightcache.core.errors",
+    "DrainingError": "weightcache.core.errors",
+    "FingerprintMismatchError": "weightcache.core.errors",
+    "HandleError": "weightcache.core.errors",
+    "InternalError": "weightcache.core.errors",
+    "InvalidArgumentError": "weightcache.core.errors",
+    "InvalidCheckpointError": "weightcache.core.errors",
+    "LeaseLostError": "weightcache.core.errors",
+    "LeaseNotFoundError": "weightcache.core.errors",
+    "LeasesActiveError": "weightcache.core.errors",
+    "ModelExistsError": "weightcache.core.errors",
+    "ModelFailedError": "weightcache.core.errors",
+    "ModelLoadingError": "weightcache.core.errors",
+    "ModelNotFoundError": "weightcache.core.errors",
+    "NotSameHostError": "weightcache.core.errors",
+    "PermissionDeniedError": "weightcache.core.errors",
+    "RecipeError": "weightcache.core.errors",
+    "RemoteError": "weightcache.core.errors",
+    "ResourceExhaustedError": "weightcache.core.errors",
+    "UnauthenticatedError": "weightcache.core.errors",
+    "UntrustedSocketError": "weightcache.core.errors",
+    "WeightCacheError": "weightcache.core.errors",
+    "Fingerprint": "weightcache.core.fingerprint",
+    "compute_fingerprint": "weightcache.core.fingerprint",
     "EXIT_LEASE_LOST": "weightcache._lease",
     "FallbackReason": "weightcache._loader",
     "LoadedWeights": "weightcache._loader",
     "load": "weightcache._loader",
     "load_from_disk": "weightcache._loader",
     "load_into": "weightcache._module",
-    "Node": "weightcache._pipeline",
-    "TensorSpec": "weightcache._pipeline",
-    "ENTRY_POINT_GROUP": "weightcache._plugins",
-    "PluginStep": "weightcache._plugins",
-    "RecipePlugin": "weightcache._plugins",
-    "Placement": "weightcache._recipe",
-    "Recipe": "weightcache._recipe",
-    "default_socket": "weightcache._rpc",
-    "TPPlan": "weightcache._tp",
-    "PROTOCOL_VERSION": "weightcache._version",
-    "__version__": "weightcache._version",
+    "Node": "weightcache.core.pipeline",
+    "TensorSpec": "weightcache.core.pipeline",
+    "ENTRY_POINT_GROUP": "weightcache.core.plugins",
+    "PluginStep": "weightcache.core.plugins",
+    "RecipePlugin": "weightcache.core.plugins",
+    "Placement": "weightcache.core.recipe",
+    "Recipe": "weightcache.core.recipe",
+    "default_socket": "weightcache.core.rpc",
+    "TPPlan": "weightcache.core.tp",
+    "PROTOCOL_VERSION": "weightcache.core.version",
+    "__version__": "weightcache.core.version",
 }
 
 __all__ = [

@@ -6,7 +6,7 @@ then becomes a private copy. A worker that writes to its weights never changes a
 else's (mmap(2), "MAP_PRIVATE: copy-on-write mapping").
 
 A ``CudaIpcHandle`` is opened with ``cudaIpcOpenMemHandle`` on the local device whose UUID
-matches (:mod:`weightcache._cuda`); the views are device tensors over that mapping.
+matches (:mod:`weightcache.core.cuda`); the views are device tensors over that mapping.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightcache._cuda import local_index, open_ipc
-from weightcache._dtypes import TORCH_DTYPES
-from weightcache._errors import HandleError
+from weightcache.core.cuda import local_index, open_ipc
+from weightcache.core.dtypes import TORCH_DTYPES
+from weightcache.core.errors import HandleError
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 SHM_DIR = "/dev/shm"

@@ -42,8 +42,8 @@ from typing import Literal
 import grpc
 import structlog
 
-from weightcache._errors import LeaseLostError
-from weightcache._rpc import connect
+from weightcache.core.errors import LeaseLostError
+from weightcache.core.rpc import connect
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 log = structlog.get_logger("weightcache.lease")

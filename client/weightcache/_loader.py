@@ -25,16 +25,6 @@ import structlog
 import torch
 from google.protobuf import duration_pb2
 
-from weightcache._checkpoint import Checkpoint, open_checkpoint
-from weightcache._errors import (
-    DaemonUnavailableError,
-    FingerprintMismatchError,
-    HandleError,
-    LeaseLostError,
-    ModelLoadingError,
-    WeightCacheError,
-)
-from weightcache._fingerprint import Fingerprint, Level, compute_fingerprint, fingerprint_pb
 from weightcache._handles import MappedArena, open_cuda_ipc, open_shared_memory
 from weightcache._lease import (
     POLICIES,
@@ -47,11 +37,21 @@ from weightcache._lease import (
     live_session,
     session_for,
 )
-from weightcache._pipeline import CheckpointReader, materialize
-from weightcache._recipe import Pipeline, Placement, Recipe, parse_dtype
-from weightcache._rpc import call, connect, default_socket
 from weightcache._trust import check_socket, trusted_uids
-from weightcache._version import __version__
+from weightcache.core.checkpoint import Checkpoint, open_checkpoint
+from weightcache.core.errors import (
+    DaemonUnavailableError,
+    FingerprintMismatchError,
+    HandleError,
+    LeaseLostError,
+    ModelLoadingError,
+    WeightCacheError,
+)
+from weightcache.core.fingerprint import Fingerprint, Level, compute_fingerprint, fingerprint_pb
+from weightcache.core.pipeline import CheckpointReader, materialize
+from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
+from weightcache.core.rpc import call, connect, default_socket
+from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 log = structlog.get_logger("weightcache")

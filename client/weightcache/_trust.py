@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import stat
 
-from weightcache._errors import UntrustedSocketError
+from weightcache.core.errors import UntrustedSocketError
 
 ENV_TRUSTED_UID = "WEIGHTCACHE_TRUSTED_UID"
 

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from weightcache._cuda import is_rocm
+from weightcache.core.cuda import is_rocm
 
 NEEDS_DEVICE = "needs a CUDA/ROCm device"
 REQUIRE_ENV = "WEIGHTCACHE_REQUIRE_GPU"

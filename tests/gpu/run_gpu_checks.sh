@@ -116,7 +116,7 @@ import platform
 
 import torch
 
-from weightcache._cuda import device_uuid, is_rocm, local_index
+from weightcache.core.cuda import device_uuid, is_rocm, local_index
 
 print(f"python {platform.python_version()}, torch {torch.__version__}, "
       f"{'HIP ' + str(torch.version.hip) if is_rocm() else 'CUDA ' + str(torch.version.cuda)}")

@@ -42,8 +42,8 @@ from tests.support import (
     wait_until,
 )
 from weightcache import Placement, Recipe
-from weightcache._cuda import device_uuid, is_rocm, local_index
 from weightcache._loader import _acquire_request
+from weightcache.core.cuda import device_uuid, is_rocm, local_index
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +61,7 @@ PROBE = r"""
 import gc, json, sys
 import torch
 import weightcache
-from weightcache import _cuda
+from weightcache.core import cuda as _cuda
 
 path, socket, mode = sys.argv[1:4]
 weights = weightcache.load(path, socket=socket, mode=mode, fallback=False, ttl=30.0)

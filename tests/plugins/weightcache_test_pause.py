@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from weightcache import Node
-from weightcache._pipeline import CheckpointReader
+from weightcache.core.pipeline import CheckpointReader
 
 WAIT_SECONDS = 60.0
 

@@ -10,7 +10,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from weightcache._errors import (
+from weightcache.core.errors import (
     DaemonUnavailableError,
     RemoteError,
     WeightCacheError,

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightcache._errors import RecipeError
-from weightcache._pipeline import Node, TensorSpec
+from weightcache.core.errors import RecipeError
+from weightcache.core.pipeline import Node, TensorSpec
 
 STYLES = ("colwise", "rowwise", "replicate")
 #: Most rules in one plan (transformers' largest ``base_model_tp_plan`` has a few dozen).

@@ -1,9 +1,9 @@
 """Processing recipes: what is done to the stored tensors before they are held.
 
-A recipe runs three stages, in this order, on the graph of :mod:`weightcache._pipeline`:
+A recipe runs three stages, in this order, on the graph of :mod:`weightcache.core.pipeline`:
 
-1. tensor-parallel sharding for the placement (when ``tp_size > 1``; :mod:`weightcache._tp`);
-2. plugins, in the order given (:mod:`weightcache._plugins`), on the rank's shards;
+1. tensor-parallel sharding for the placement (when ``tp_size > 1``; :mod:`weightcache.core.tp`);
+2. plugins, in the order given (:mod:`weightcache.core.plugins`), on the rank's shards;
 3. a ``dtype`` cast of floating tensors; integer, bool, complex and fp8 tensors are never
    cast.
 
@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from weightcache._checkpoint import Checkpoint
-from weightcache._dtypes import CASTABLE, TORCH_DTYPES
-from weightcache._errors import RecipeError
-from weightcache._pipeline import Node, TensorSpec, stored_nodes
-from weightcache._plugins import PluginStep
-from weightcache._tp import TPPlan, shard_nodes
+from weightcache.core.checkpoint import Checkpoint
+from weightcache.core.dtypes import CASTABLE, TORCH_DTYPES
+from weightcache.core.errors import RecipeError
+from weightcache.core.pipeline import Node, TensorSpec, stored_nodes
+from weightcache.core.plugins import PluginStep
+from weightcache.core.tp import TPPlan, shard_nodes
 
 RECIPE_NAME = "weightcache.recipe"
 RECIPE_VERSION = 2

@@ -5,7 +5,7 @@ points specification); the entry point names a class or an object with:
 
 - ``name: str`` and ``version: str`` (both enter the fingerprint, with the parameters);
 - ``transform(nodes: dict[str, Node], params: Mapping[str, str]) -> dict[str, Node]``:
-  returns the new set of nodes, planned from specs alone (see :mod:`weightcache._pipeline`);
+  returns the new set of nodes, planned from specs alone (see :mod:`weightcache.core.pipeline`);
   e.g. a QKV fusion replaces three nodes by one whose ``compute`` concatenates them.
 
 The same plugin code runs in the daemon and in the worker's disk path.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Protocol, runtime_checkable
 
-from weightcache._errors import RecipeError
-from weightcache._pipeline import Node
+from weightcache.core.errors import RecipeError
+from weightcache.core.pipeline import Node
 
 ENTRY_POINT_GROUP = "weightcache.recipes"
 

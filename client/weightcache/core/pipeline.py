@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weightcache._checkpoint import Checkpoint, ShardReader, TensorInfo
-from weightcache._dtypes import TORCH_DTYPES
+from weightcache.core.checkpoint import Checkpoint, ShardReader, TensorInfo
+from weightcache.core.dtypes import TORCH_DTYPES
 
 
 @dataclass(frozen=True)

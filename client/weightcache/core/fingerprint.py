@@ -13,7 +13,7 @@ Content levels (the checkpoint part):
 - ``sampled`` (default): layout plus, per tensor, its first, middle and last 64 bytes
   (every byte when the tensor is at most 192 bytes): O(tensors) small reads.
 - ``full``: layout plus the sha256 of every byte of each shard, cached on disk
-  (:mod:`weightcache._hashcache`; a hub-cache blob's name is its sha256).
+  (:mod:`weightcache.core.hashcache`; a hub-cache blob's name is its sha256).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from weightcache._checkpoint import Checkpoint, ShardInfo
-from weightcache._hashcache import fd_sha256
-from weightcache._recipe import Pipeline, Placement, Recipe
+from weightcache.core.checkpoint import Checkpoint, ShardInfo
+from weightcache.core.hashcache import fd_sha256
+from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 FORMAT = "weightcache.fingerprint/1"

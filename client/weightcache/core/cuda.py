@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from weightcache._errors import CudaError, DeviceNotVisibleError
+from weightcache.core.errors import CudaError, DeviceNotVisibleError
 
 IPC_HANDLE_BYTES = 64
 #: cudaIpcMemLazyEnablePeerAccess

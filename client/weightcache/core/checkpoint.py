@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from weightcache._dtypes import SUB_BYTE, TORCH_DTYPES, itemsize
-from weightcache._errors import InvalidCheckpointError
+from weightcache.core.dtypes import SUB_BYTE, TORCH_DTYPES, itemsize
+from weightcache.core.errors import InvalidCheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
