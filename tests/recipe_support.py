@@ -243,7 +243,9 @@ def preload(
             plugins=[pb.RecipePlugin(name=n, params=dict(params)) for n, params in plugins],
         ),
         placement=pb.Placement(tp_rank=tp_rank, tp_size=tp_size),
-        fingerprint_level=level,
+        # pb.FINGERPRINT_LEVEL_* are plain ints at run time, and a proto3 enum field takes
+        # any int; the generated stub types the field as the FingerprintLevel wrapper.
+        fingerprint_level=level,  # type: ignore[arg-type]
     )
     with service_stub(socket) as stub:
         return list(stub.Preload(request, timeout=60))

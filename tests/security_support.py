@@ -386,7 +386,7 @@ def primary_ipv4() -> str | None:
     The UDP ``connect`` only picks the source address the routing table would use; it
     sends nothing.
     """
-    candidates = []
+    candidates: list[str] = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
         try:
             udp.connect(("10.254.254.254", 9))
@@ -513,7 +513,7 @@ def _pki_cryptography(pki: Pki, addresses: list[str]) -> None:
     )
     sans: list[x509.GeneralName] = [x509.DNSName(TLS_NAME), x509.DNSName("localhost")]
     sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
-    leaves = (
+    leaves: tuple[tuple[Path, Path, str, x509.ObjectIdentifier, list[x509.GeneralName]], ...] = (
         (pki.server_cert, pki.server_key, "weightcache daemon", ExtendedKeyUsageOID.SERVER_AUTH,
          sans),
         (pki.client_cert, pki.client_key, CLIENT_NAME, ExtendedKeyUsageOID.CLIENT_AUTH, []),

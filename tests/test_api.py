@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import types
+import typing
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -42,6 +45,56 @@ def test_all_public_names_are_exported() -> None:
     }
 
     assert public | {"__version__"} == set(weightcache.__all__)
+
+
+def _classes_in(annotation: object) -> set[type]:
+    """The classes an annotation names: ``dict[str, X] | None`` names ``dict``, ``str``, ``X``."""
+    if isinstance(annotation, list | tuple):  # Callable[[A, B], R] keeps its parameters in a list
+        return set().union(*map(_classes_in, annotation))
+    found = {annotation} if isinstance(annotation, type) else set()
+    origin = typing.get_origin(annotation)
+    if isinstance(origin, type):
+        found.add(origin)
+    return found.union(*map(_classes_in, typing.get_args(annotation)))
+
+
+def _public_signatures() -> Iterator[tuple[str, dict[str, object]]]:
+    """(where, resolved annotations) of every exported function, of every public method,
+    constructor and property of every exported class, and of each such class's fields."""
+    for name in weightcache.__all__:
+        obj = getattr(weightcache, name)
+        if inspect.isfunction(obj):
+            yield name, typing.get_type_hints(obj)
+        if not isinstance(obj, type) or issubclass(obj, BaseException):
+            continue
+        yield name, {k: v for k, v in typing.get_type_hints(obj).items() if k[0] != "_"}
+        for attr, member in vars(obj).items():
+            if attr.startswith("_") and attr != "__init__":
+                continue
+            function = member.fget if isinstance(member, property) else member
+            function = getattr(function, "__func__", function)  # staticmethod, classmethod
+            if inspect.isfunction(function):
+                yield f"{name}.{attr}", typing.get_type_hints(function)
+
+
+# Classes a public signature names that users never get hold of: LoadedWeights keeps its
+# mapped arena in a private attribute, and only load() builds a LoadedWeights.
+NOT_REACHABLE = {"weightcache._handles.MappedArena"}
+
+
+def test_every_class_a_public_signature_names_is_exported() -> None:
+    exported = {getattr(weightcache, name) for name in weightcache.__all__}
+    missing = sorted(
+        f"{where} [{key}]: {cls.__module__}.{cls.__qualname__}"
+        for where, hints in _public_signatures()
+        for key, annotation in hints.items()
+        for cls in _classes_in(annotation)
+        if cls.__module__.partition(".")[0] == "weightcache"
+        and cls not in exported
+        and f"{cls.__module__}.{cls.__qualname__}" not in NOT_REACHABLE
+    )
+
+    assert missing == []
 
 
 def test_unknown_attribute_is_an_attribute_error() -> None:

@@ -29,18 +29,21 @@ import torch
 from tests.support import run_cli, short_tempdir
 from weightcache._handles import open_cuda_ipc
 from weightcache._lease import default_policy
-from weightcache._loader import _FALLBACK_REASONS, _Attach
+from weightcache._loader import _FALLBACK_REASONS, Mode, _Attach
 from weightcache.core import cuda as _cuda
 from weightcache.core.cuda import (
     IPC_HANDLE_BYTES,
-    CudaError,
-    DeviceNotVisibleError,
     Runtime,
     format_uuid,
     local_index,
     open_ipc,
 )
-from weightcache.core.errors import HandleError, WeightCacheError
+from weightcache.core.errors import (
+    CudaError,
+    DeviceNotVisibleError,
+    HandleError,
+    WeightCacheError,
+)
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import plan_slots
 from weightcache_service.cli import _parser
@@ -200,7 +203,7 @@ def _no_runtime() -> Runtime:
     raise AssertionError("a CUDA runtime call was made for a device that is not visible")
 
 
-def _attach(mode: str = "zero_copy") -> _Attach:
+def _attach(mode: Mode = "zero_copy") -> _Attach:
     return _Attach(
         socket="/nonexistent/d.sock",
         mode=mode,
@@ -216,7 +219,7 @@ def _attach(mode: str = "zero_copy") -> _Attach:
 
 @pytest.mark.parametrize("mode", ["zero_copy", "copy"])
 def test_attach_maps_a_cuda_handle_it_cannot_see_to_device_not_visible(
-    monkeypatch: pytest.MonkeyPatch, mode: str
+    monkeypatch: pytest.MonkeyPatch, mode: Mode
 ) -> None:
     """What ``load()`` meets when a CUDA daemon's device is not visible here: the daemon's
     AcquireResponse, as the protobuf message it sends, opened by the attach step."""
@@ -299,7 +302,8 @@ def test_preload_on_a_device_torch_cannot_see_without_socket_exits_1() -> None:
 
 def _unit() -> configparser.RawConfigParser:
     parser = configparser.RawConfigParser(strict=True, delimiters=("=",), comment_prefixes=("#",))
-    parser.optionxform = str
+    # typeshed declares optionxform a method; the configparser docs say to assign it.
+    parser.optionxform = str  # type: ignore[method-assign,assignment]
     parser.read_string(UNIT.read_text())
     return parser
 

@@ -504,7 +504,9 @@ def preload_requests(draw: st.DrawFn, root: Path, good: Path) -> pb.PreloadReque
                 st.builds(pb.Placement, tp_rank=int32, tp_size=int32),
             )
         ),
-        fingerprint_level=draw(st.integers(0, 6)),
+        # Unknown values on purpose: a proto3 enum field takes any int, though the generated
+        # stub types it as the FingerprintLevel wrapper.
+        fingerprint_level=draw(st.integers(0, 6)),  # type: ignore[arg-type]
     )
 
 

@@ -611,7 +611,7 @@ def test_preload_peak_memory_is_arena_plus_one_tensor(daemons: DaemonPool, big: 
 def _truncate_when_loading(progress: Any, shard: Path, keep: int) -> list[pb.PreloadResponse]:
     """Read a Preload stream; at its first LOADING answer, cut ``shard`` to ``keep`` bytes
     (the header stays valid: the daemon checked it before it started reading)."""
-    seen = []
+    seen: list[pb.PreloadResponse] = []
     for answer in progress:
         if not seen:
             assert answer.state == pb.MODEL_STATE_LOADING, answer

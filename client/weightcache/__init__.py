@@ -9,11 +9,12 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from weightcache._lease import EXIT_LEASE_LOST
+    from weightcache._lease import EXIT_LEASE_LOST, ClientLease
     from weightcache._loader import FallbackReason, LoadedWeights, load, load_from_disk
     from weightcache._module import load_into
     from weightcache.core.checkpoint import (
         Checkpoint,
+        FileIdentity,
         ShardInfo,
         TensorInfo,
         hub_snapshot,
@@ -46,9 +47,9 @@ if _typing.TYPE_CHECKING:
         WeightCacheError,
     )
     from weightcache.core.fingerprint import Fingerprint, compute_fingerprint
-    from weightcache.core.pipeline import Node, TensorSpec
+    from weightcache.core.pipeline import CheckpointReader, Node, TensorSpec
     from weightcache.core.plugins import ENTRY_POINT_GROUP, PluginStep, RecipePlugin
-    from weightcache.core.recipe import Placement, Recipe
+    from weightcache.core.recipe import Pipeline, Placement, Recipe
     from weightcache.core.rpc import default_socket
     from weightcache.core.tp import TPPlan
     from weightcache.core.version import PROTOCOL_VERSION, __version__
@@ -57,6 +58,7 @@ if _typing.TYPE_CHECKING:
 # `weightcache health` probe do not pay for importing torch.
 _SOURCES = {
     "Checkpoint": "weightcache.core.checkpoint",
+    "FileIdentity": "weightcache.core.checkpoint",
     "ShardInfo": "weightcache.core.checkpoint",
     "TensorInfo": "weightcache.core.checkpoint",
     "hub_snapshot": "weightcache.core.checkpoint",
@@ -88,16 +90,19 @@ _SOURCES = {
     "Fingerprint": "weightcache.core.fingerprint",
     "compute_fingerprint": "weightcache.core.fingerprint",
     "EXIT_LEASE_LOST": "weightcache._lease",
+    "ClientLease": "weightcache._lease",
     "FallbackReason": "weightcache._loader",
     "LoadedWeights": "weightcache._loader",
     "load": "weightcache._loader",
     "load_from_disk": "weightcache._loader",
     "load_into": "weightcache._module",
+    "CheckpointReader": "weightcache.core.pipeline",
     "Node": "weightcache.core.pipeline",
     "TensorSpec": "weightcache.core.pipeline",
     "ENTRY_POINT_GROUP": "weightcache.core.plugins",
     "PluginStep": "weightcache.core.plugins",
     "RecipePlugin": "weightcache.core.plugins",
+    "Pipeline": "weightcache.core.recipe",
     "Placement": "weightcache.core.recipe",
     "Recipe": "weightcache.core.recipe",
     "default_socket": "weightcache.core.rpc",
@@ -111,11 +116,14 @@ __all__ = [
     "EXIT_LEASE_LOST",
     "PROTOCOL_VERSION",
     "Checkpoint",
+    "CheckpointReader",
+    "ClientLease",
     "CudaError",
     "DaemonUnavailableError",
     "DeviceNotVisibleError",
     "DrainingError",
     "FallbackReason",
+    "FileIdentity",
     "Fingerprint",
     "FingerprintMismatchError",
     "HandleError",
@@ -133,6 +141,7 @@ __all__ = [
     "Node",
     "NotSameHostError",
     "PermissionDeniedError",
+    "Pipeline",
     "Placement",
     "PluginStep",
     "Recipe",

@@ -40,7 +40,7 @@ class FuseQKV:
     def transform(self, nodes: dict[str, Node], params: Mapping[str, str]) -> dict[str, Node]:
         _check_params(self.name, params, {"out"})
         out = params.get("out", "qkv_proj")
-        fused: dict[str, Node] = {}
+        fused: dict[str, _Named] = {}
         consumed: set[str] = set()
         for name in nodes:
             prefix, dot, leaf = name.rpartition(".")
