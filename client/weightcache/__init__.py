@@ -12,6 +12,7 @@ if _typing.TYPE_CHECKING:
     from weightcache._lease import EXIT_LEASE_LOST
     from weightcache._loader import FallbackReason, LoadedWeights, load, load_from_disk
     from weightcache._module import load_into
+    from weightcache._options import LoadOptions
     from weightcache.core.checkpoint import (
         Checkpoint,
         ShardInfo,
@@ -49,7 +50,7 @@ if _typing.TYPE_CHECKING:
     from weightcache.core.pipeline import Node, TensorSpec
     from weightcache.core.plugins import ENTRY_POINT_GROUP, PluginStep, RecipePlugin
     from weightcache.core.recipe import Placement, Recipe
-    from weightcache.core.rpc import default_socket
+    from weightcache.core.sockets import default_socket
     from weightcache.core.tp import TPPlan
     from weightcache.core.version import PROTOCOL_VERSION, __version__
 
@@ -93,6 +94,7 @@ _SOURCES = {
     "load": "weightcache._loader",
     "load_from_disk": "weightcache._loader",
     "load_into": "weightcache._module",
+    "LoadOptions": "weightcache._options",
     "Node": "weightcache.core.pipeline",
     "TensorSpec": "weightcache.core.pipeline",
     "ENTRY_POINT_GROUP": "weightcache.core.plugins",
@@ -100,7 +102,7 @@ _SOURCES = {
     "RecipePlugin": "weightcache.core.plugins",
     "Placement": "weightcache.core.recipe",
     "Recipe": "weightcache.core.recipe",
-    "default_socket": "weightcache.core.rpc",
+    "default_socket": "weightcache.core.sockets",
     "TPPlan": "weightcache.core.tp",
     "PROTOCOL_VERSION": "weightcache.core.version",
     "__version__": "weightcache.core.version",
@@ -125,6 +127,7 @@ __all__ = [
     "LeaseLostError",
     "LeaseNotFoundError",
     "LeasesActiveError",
+    "LoadOptions",
     "LoadedWeights",
     "ModelExistsError",
     "ModelFailedError",
