@@ -253,3 +253,31 @@ def test_every_fallback_code_is_documented() -> None:
     assert len(codes) == len(set(codes)) == 11
     doc = weightcache.FallbackReason.__doc__ or ""
     assert [c for c in codes if f"``{c}``" not in doc] == []
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert [c for c in codes if f"- `{c}`: " not in readme] == []
+
+
+def test_other_fingerprint_level_than_the_daemons_falls_back(
+    daemon: Daemon, worker: Worker, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """The daemon fingerprinted ``single`` at its default level, ``sampled``; a worker at
+    ``layout`` computes another fingerprint and does not attach (README: the levels must
+    match). The detail names the daemon's level."""
+    reply = worker.load(
+        checkpoints.single,
+        socket=daemon.socket,
+        fingerprint_level="layout",
+        capture_logs=True,
+        dump=tmp_path / "w",
+    )
+
+    _assert_fell_back(
+        reply,
+        "FINGERPRINT_MISMATCH",
+        checkpoints.single,
+        ("checkpoint/model.safetensors", "format"),
+    )
+    assert reply["fallback_reason"]["detail"].startswith(
+        "held model 'single' (fingerprint level sampled, "
+    )
+    assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)

@@ -4,9 +4,9 @@ What falls back to disk (with ``fallback=True``) and the reason code it records,
 ``FallbackReason.CODES``:
 
 - ``DAEMON_UNAVAILABLE``: no socket, or the daemon does not answer;
-- ``MODEL_NOT_FOUND``: the daemon holds nothing like this checkpoint (also what a
-  ``fingerprint_level`` other than the daemon's usually gives);
-- ``FINGERPRINT_MISMATCH``: it holds a model that differs (``detail`` names where);
+- ``MODEL_NOT_FOUND``: the daemon holds nothing like this checkpoint;
+- ``FINGERPRINT_MISMATCH``: it holds a model that differs (``detail`` names where; also
+  what a ``fingerprint_level`` other than the daemon's gives);
 - ``MODEL_LOADING``: the daemon was still loading it after ``wait_timeout`` seconds;
 - ``MODEL_FAILED``, ``DRAINING``, ``RESOURCE_EXHAUSTED``: the daemon cannot serve it;
 - ``UNTRUSTED_SOCKET``: the socket, its folder or a segment is a symlink or belongs to a

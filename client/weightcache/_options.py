@@ -55,7 +55,8 @@ class LoadOptions:
         fingerprint_level: ``"sampled"`` (default), ``"layout"`` or ``"full"``. It must
             be the level the daemon fingerprinted the model at (its
             ``--fingerprint-level``): at another level the fingerprints differ and the
-            worker falls back with ``MODEL_NOT_FOUND`` or ``FINGERPRINT_MISMATCH``.
+            worker falls back to disk, with ``FINGERPRINT_MISMATCH`` (the detail names the
+            daemon's level) for a checkpoint the daemon holds.
         tp_rank, tp_size: tensor-parallel placement; default 0 of 1.
         ttl: lease TTL requested, in seconds, > 0 (default 10.0; the daemon clamps it).
         wait_timeout: seconds, >= 0 (default 30.0), to wait for a model the daemon is
