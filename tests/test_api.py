@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import math
 import subprocess
 import sys
 import types
 import typing
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import torch
 from google.rpc import error_details_pb2, status_pb2
+from torch import nn
 
 import weightcache
+from tests.support import Checkpoints, Daemon, DaemonPool, assert_bitwise_equal
+from weightcache._options import LoadKeywords
 from weightcache.core.errors import ERROR_DOMAIN, error_for_reason
 from weightcache_service.status import to_grpc_status
 
@@ -58,23 +66,30 @@ def _classes_in(annotation: object) -> set[type]:
     return found.union(*map(_classes_in, typing.get_args(annotation)))
 
 
+def _hints(obj: object) -> dict[str, object]:
+    # Some modules import what their signatures name under TYPE_CHECKING only (importing
+    # weightcache must not import torch), so the test supplies those names.
+    names = {name: getattr(weightcache, name) for name in weightcache.__all__}
+    return typing.get_type_hints(obj, localns={**names, "torch": torch})
+
+
 def _public_signatures() -> Iterator[tuple[str, dict[str, object]]]:
     """(where, resolved annotations) of every exported function, of every public method,
     constructor and property of every exported class, and of each such class's fields."""
     for name in weightcache.__all__:
         obj = getattr(weightcache, name)
         if inspect.isfunction(obj):
-            yield name, typing.get_type_hints(obj)
+            yield name, _hints(obj)
         if not isinstance(obj, type) or issubclass(obj, BaseException):
             continue
-        yield name, {k: v for k, v in typing.get_type_hints(obj).items() if k[0] != "_"}
+        yield name, {k: v for k, v in _hints(obj).items() if k[0] != "_"}
         for attr, member in vars(obj).items():
             if attr.startswith("_") and attr != "__init__":
                 continue
             function = member.fget if isinstance(member, property) else member
             function = getattr(function, "__func__", function)  # staticmethod, classmethod
             if inspect.isfunction(function):
-                yield f"{name}.{attr}", typing.get_type_hints(function)
+                yield f"{name}.{attr}", _hints(function)
 
 
 # Classes a public signature names that users never get hold of: LoadedWeights keeps its
@@ -220,3 +235,163 @@ def test_daemon_status_round_trips_to_the_same_error(
     )
     back = error_for_reason(info.reason, decoded.message, info.metadata)
     assert type(back) is cls
+
+
+# -- LoadOptions: the options of load() and load_into() as one typed value (issue 15) -----
+
+
+@pytest.fixture(scope="module")
+def daemon(module_daemons: DaemonPool, checkpoints: Checkpoints) -> Daemon:
+    return module_daemons.start([checkpoints.single], dtype="F16")
+
+
+def test_load_options_defaults_are_loads_defaults() -> None:
+    options = weightcache.LoadOptions()
+
+    assert dataclasses.asdict(options) == {
+        "socket": None,
+        "device": "cpu",
+        "dtype": None,
+        "recipe": None,
+        "mode": "zero_copy",
+        "fallback": True,
+        "fingerprint_level": "sampled",
+        "tp_rank": 0,
+        "tp_size": 1,
+        "ttl": 10.0,
+        "wait_timeout": 30.0,
+        "lease_policy": None,
+        "on_lease_lost": None,
+        "on_revoke": "copy",
+        "trusted_uid": None,
+    }
+    # The keywords load() and load_into() take are exactly the fields, with their types.
+    keywords = {name: ref.__forward_arg__ for name, ref in LoadKeywords.__annotations__.items()}
+    assert keywords == {f.name: f.type for f in dataclasses.fields(weightcache.LoadOptions)}
+    assert LoadKeywords.__total__ is False
+
+
+def test_load_options_are_frozen_and_keyword_only() -> None:
+    options = weightcache.LoadOptions(ttl=2.5)
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.ttl = 3.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        weightcache.LoadOptions("/run/weightcache/cpu.sock")  # type: ignore[call-arg]
+    assert dataclasses.replace(options, device="cuda:1").device == "cuda:1"
+    assert options == weightcache.LoadOptions(ttl=2.5)
+
+
+def _bitwise_same_load(a: weightcache.LoadedWeights, b: weightcache.LoadedWeights) -> None:
+    assert (a.source, a.model, a.fingerprint) == (b.source, b.model, b.fingerprint)
+    assert a.fallback_reason == b.fallback_reason
+    assert_bitwise_equal(a.tensors, b.tensors)
+
+
+@pytest.mark.parametrize("where", ["cache", "disk"])
+def test_options_and_keywords_load_the_same(
+    where: str, daemon: Daemon, module_daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    socket = daemon.socket if where == "cache" else module_daemons.socket("absent")
+    fields: dict[str, Any] = {"socket": socket, "dtype": "F16", "mode": "copy", "ttl": 5.0}
+
+    options = weightcache.LoadOptions(**fields)
+    with (
+        weightcache.load(checkpoints.single, **fields) as by_keywords,
+        weightcache.load(checkpoints.single, options=options) as by_options,
+    ):
+        _bitwise_same_load(by_keywords, by_options)
+        assert by_options.source == where
+        expected = weightcache.load_from_disk(checkpoints.single, dtype="F16").tensors
+        assert_bitwise_equal(by_options.tensors, expected)
+        if where == "disk":
+            assert by_options.fallback_reason is not None
+            assert by_options.fallback_reason.code == "DAEMON_UNAVAILABLE"
+
+
+def _module_for(tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A module whose buffers have the checkpoint's names and shapes, on the meta device."""
+    root = nn.Module()
+    for name, tensor in tensors.items():
+        *path, attr = name.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = owner.get_submodule(part)
+        owner.register_buffer(attr, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
+    return root
+
+
+def test_load_into_takes_the_same_options(daemon: Daemon, checkpoints: Checkpoints) -> None:
+    fields: dict[str, Any] = {"socket": daemon.socket, "dtype": "F16", "mode": "copy"}
+    expected = weightcache.load_from_disk(checkpoints.single, dtype="F16").tensors
+    by_keywords, by_options = _module_for(expected), _module_for(expected)
+
+    options = weightcache.LoadOptions(**fields)
+    with (
+        weightcache.load_into(by_keywords, checkpoints.single, **fields) as a,
+        weightcache.load_into(by_options, checkpoints.single, options=options) as b,
+    ):
+        _bitwise_same_load(a, b)
+        assert b.source == "cache"
+        assert_bitwise_equal(dict(by_keywords.named_buffers()), expected)
+        assert_bitwise_equal(dict(by_options.named_buffers()), expected)
+
+
+def test_options_beside_keywords_is_a_type_error(checkpoints: Checkpoints) -> None:
+    options = weightcache.LoadOptions(mode="copy")
+    message = (
+        r"^give the options either as options= or as keywords, not both "
+        r"\(keywords given: socket, ttl\)$"
+    )
+
+    with pytest.raises(TypeError, match=message):
+        weightcache.load(checkpoints.single, options=options, ttl=5.0, socket="/x.sock")
+    with pytest.raises(TypeError, match=message):
+        weightcache.load_into(nn.Module(), checkpoints.single, options=options, ttl=5.0, socket="x")
+
+
+def test_options_of_another_type_is_a_type_error(checkpoints: Checkpoints) -> None:
+    with pytest.raises(TypeError, match=r"^options must be a LoadOptions, not dict$"):
+        weightcache.load(checkpoints.single, options={"ttl": 5.0})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sockett'"):
+        weightcache.load(checkpoints.single, sockett="/x.sock")  # type: ignore[call-arg]
+
+
+INVALID_OPTIONS = [
+    ({"mode": "mmap"}, "mode must be one of ('zero_copy', 'copy'), not 'mmap'"),
+    (
+        {"fingerprint_level": "deep"},
+        "fingerprint_level must be one of ('layout', 'sampled', 'full'), not 'deep'",
+    ),
+    (
+        {"lease_policy": "retry"},
+        "lease_policy must be one of ('raise', 'exit', 'ignore'), not 'retry'",
+    ),
+    ({"on_revoke": "keep"}, "on_revoke must be one of ('copy', 'raise', 'exit'), not 'keep'"),
+    (
+        {"dtype": "F16", "recipe": weightcache.Recipe()},
+        "give dtype inside the recipe, not beside it",
+    ),
+    ({"ttl": 0.0}, "ttl must be a finite number of seconds > 0, not 0.0"),
+    ({"ttl": math.inf}, "ttl must be a finite number of seconds > 0, not inf"),
+    ({"wait_timeout": -1.0}, "wait_timeout must be a finite number of seconds >= 0, not -1.0"),
+    (
+        {"device": "mps"},
+        "device 'mps': use cpu, cuda:N, N, cuda, a GPU-/MIG- UUID, an index or a torch.device",
+    ),
+    ({"device": -1}, "device -1: an index is 0 or more"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), INVALID_OPTIONS, ids=lambda v: str(v)[:40])
+def test_invalid_options_are_value_errors_either_way(
+    fields: dict[str, Any], message: str, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError) as built:
+        weightcache.LoadOptions(**fields)
+    with pytest.raises(ValueError) as loaded:
+        weightcache.load(checkpoints.single, **fields)
+
+    assert str(built.value) == str(loaded.value) == message

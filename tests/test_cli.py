@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support import (
+    POLL,
+    READY_TIMEOUT,
+    STOP_TIMEOUT,
     Checkpoints,
     Daemon,
     DaemonPool,
@@ -21,7 +31,12 @@ from tests.support import (
     get_model,
     health,
     run_cli,
+    shm_segments,
+    short_tempdir,
 )
+from weightcache.core.sockets import default_socket
+from weightcache_service.cli import _parser, client_socket, daemon_socket
+from weightcache_service.server import socket_tag
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +234,181 @@ def test_gc_removes_only_the_callers_own_dead_segments(
         f"removed {mine} ({size} bytes, daemon pid {dead.pid})"
     ]
     assert dead.segments() == [theirs]
+
+
+# -- one socket rule for the daemon, the admin commands and the units (issue 15) -------
+
+NOBODY_UID = 65534
+GPU_UUID = "GPU-8f3c1a2b-0000-4000-8000-000000000001"
+RULE_VARIABLES = ("WEIGHTCACHE_SOCKET", "WEIGHTCACHE_RUNTIME_DIR", "XDG_RUNTIME_DIR")
+
+
+def _as_user(uid: int) -> list[str]:
+    """A command prefix running as ``uid`` (nothing for this process's own uid)."""
+    if uid == os.geteuid():
+        return []
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv(1) to run as another user")
+    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+
+
+def _cli_as(prefix: list[str], env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*prefix, *cli_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+        cwd="/",
+    )
+
+
+@contextlib.contextmanager
+def _default_socket_daemon(
+    prefix: list[str], env: dict[str, str], models: list[str], log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``weightcache preload MODELS --device cpu`` without ``--socket``; SIGTERMed after,
+    and it must exit 0."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*prefix, *cli_command(), "preload", *models, "--device", "cpu"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd="/",
+        )
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        assert rc == 0, log.read_text(errors="replace")
+
+
+def _world_readable_copy(folder: Path) -> Path:
+    """``folder`` copied where another user can read it (pytest's folders are 0700)."""
+    root = short_tempdir()
+    root.chmod(0o755)
+    copy = root / folder.name
+    shutil.copytree(folder, copy)
+    for path in (copy, *copy.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return copy
+
+
+@pytest.mark.parametrize("variable", ["XDG_RUNTIME_DIR", "WEIGHTCACHE_RUNTIME_DIR"])
+def test_ls_by_device_reaches_a_daemon_on_its_default_socket(
+    variable: str, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """Neither the daemon nor ``ls`` is given ``--socket``: both name ``cpu.sock`` in the
+    runtime dir. ``XDG_RUNTIME_DIR`` counts for a user other than root only, so as root
+    both run as nobody then."""
+    as_root = os.geteuid() == 0
+    uid = NOBODY_UID if variable == "XDG_RUNTIME_DIR" and as_root else os.geteuid()
+    prefix = _as_user(uid)
+    runtime = short_tempdir()
+    model = _world_readable_copy(checkpoints.single)
+    try:
+        os.chown(runtime, uid, uid)
+        env = {k: v for k, v in child_env().items() if k not in RULE_VARIABLES}
+        env[variable] = str(runtime)
+        folder = runtime / "weightcache" if variable == "XDG_RUNTIME_DIR" else runtime
+        expected = str(folder / "cpu.sock")
+        with _default_socket_daemon(prefix, env, [str(model)], tmp_path / "daemon.log") as proc:
+            deadline = time.monotonic() + READY_TIMEOUT
+            while _cli_as(prefix, env, "health", "--device", "cpu").stdout != "SERVING\n":
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "daemon.log"
+                ).read_text()
+                time.sleep(POLL)
+
+            result = _cli_as(prefix, env, "ls", "--device", "cpu")
+
+            assert (result.returncode, result.stderr) == (0, "")
+            header, row = (line.split() for line in result.stdout.splitlines())
+            assert (header[:2], row[:2]) == (["NAME", "STATE"], ["single", "READY"])
+            assert os.stat(expected).st_uid == uid
+            assert health(expected) == "SERVING"  # the path the rule names, asked directly
+        assert not os.path.lexists(expected)
+        assert shm_segments(socket_tag(expected)) == []
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+        shutil.rmtree(model.parent, ignore_errors=True)
+
+
+def test_admin_socket_wins_over_device(daemon: Daemon) -> None:
+    """``--socket`` is used as given: a GPU ``--device`` beside it is never resolved."""
+    result = run_cli("info", "--socket", daemon.socket, "--device", "cuda:7")
+
+    assert (result.returncode, result.stderr) == (0, "")
+    assert "backend: cpu_shm\n" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the refusal without a GPU")
+@pytest.mark.parametrize("command", ["ls", "info", "health", "evict"])
+def test_admin_gpu_device_without_cuda_is_device_not_visible(command: str) -> None:
+    extra = ["some-model"] if command == "evict" else []
+    result = run_cli(command, *extra, "--device", "cuda:0")
+
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith(
+        f"weightcache {command}: DEVICE_NOT_VISIBLE: device cuda:0: torch {torch.__version__} "
+        "sees no CUDA/ROCm device, so its UUID (which names its daemon's socket) cannot be read"
+    )
+
+
+def test_admin_device_that_names_none_is_a_usage_error() -> None:
+    result = run_cli("ls", "--device", "mps")
+
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "weightcache ls: device 'mps': use cpu, cuda:N, N, cuda, a GPU-/MIG- UUID, an index "
+        "or a torch.device\n"
+    )
+
+
+def _health_argv(service: dict[str, list[str]]) -> list[str]:
+    """The ``weightcache health ...`` arguments of the unit's readiness loop."""
+    [script] = shlex.split(service["ExecStartPost"][0])[2:]
+    found = re.search(r"/usr/local/bin/weightcache (health [^>]*)>", script)
+    assert found is not None, script
+    return shlex.split(found.group(1))
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_systemd_units_and_the_cli_agree_on_the_socket(
+    unit: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon a unit starts, its readiness probe and a worker of the same device all
+    name one socket, by the rule: no ``--socket`` anywhere, one ``--device``, and the
+    runtime dir that ``RuntimeDirectory=`` creates. The template is read for a UUID
+    instance, whose socket needs no GPU to name."""
+    service = _service_section(unit)
+    start = [a for a in shlex.split(service["ExecStart"][0])[1:] if not a.startswith("$")]
+    daemon_args = _parser().parse_args([a.replace("%i", GPU_UUID) for a in start])
+    probe_args = _parser().parse_args([a.replace("%i", GPU_UUID) for a in _health_argv(service)])
+    environment = dict(kv.split("=", 1) for line in service["Environment"] for kv in line.split())
+    for name in RULE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    device = "cpu" if unit.name == "weightcache.service" else GPU_UUID
+    expected = (
+        f"/run/{service['RuntimeDirectory'][0]}/{'cpu' if device == 'cpu' else GPU_UUID}.sock"
+    )
+
+    assert (daemon_args.socket, probe_args.socket) == (None, None)
+    assert daemon_args.device == probe_args.device == device
+    assert environment["WEIGHTCACHE_RUNTIME_DIR"] == f"/run/{service['RuntimeDirectory'][0]}"
+    assert client_socket(probe_args) == expected
+    assert default_socket(device) == expected  # a worker's load(path, device=...)
+    if device == "cpu":  # a GPU daemon checks first that it sees its device
+        assert daemon_socket(daemon_args) == expected

@@ -29,7 +29,8 @@ import torch
 from tests.support import run_cli, short_tempdir
 from weightcache._handles import open_cuda_ipc
 from weightcache._lease import default_policy
-from weightcache._loader import _FALLBACK_REASONS, Mode, _Attach
+from weightcache._loader import _FALLBACK_REASONS, _Attach
+from weightcache._options import Mode
 from weightcache.core import cuda as _cuda
 from weightcache.core.cuda import (
     IPC_HANDLE_BYTES,
@@ -316,16 +317,19 @@ def test_systemd_template_runs_one_daemon_per_gpu_instance() -> None:
     start = shlex.split(service["ExecStart"])
     assert start[:2] == ["/usr/local/bin/weightcache", "preload"]
     assert start[start.index("--device") + 1] == "%i"
-    assert start[start.index("--socket") + 1] == "/run/weightcache/gpu%i.sock"
+    # No --socket: the socket is the device's by the rule (weightcache.core.sockets).
+    assert "--socket" not in start
     assert {"$WEIGHTCACHE_MODELS", "$WEIGHTCACHE_ARGS"} <= set(start)
-    # The readiness probe asks the same socket the daemon binds.
+    # The readiness probe asks the same device's socket the daemon binds.
     probe = shlex.split(service["ExecStartPost"])
-    assert "health --socket /run/weightcache/gpu%i.sock" in probe[-1]
+    assert "health --device %i " in probe[-1]
+    assert "--socket" not in probe[-1]
     assert service["EnvironmentFile"] == "-/etc/weightcache/%i.env"
     assert service["Environment"].split() == [
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False",
         "CUDA_DEVICE_ORDER=PCI_BUS_ID",
         "WEIGHTCACHE_HASH_CACHE=/var/cache/weightcache/sha256",
+        "WEIGHTCACHE_RUNTIME_DIR=/run/weightcache",
     ]
     assert service["KillSignal"] == "SIGTERM"
     # Stopping waits for the drain (--drain-timeout, default 30 s) and then some.
@@ -340,7 +344,7 @@ def test_systemd_template_flags_are_the_cli_flags() -> None:
     args = _parser().parse_args([*argv, "/models/a"])
 
     assert (args.command, args.device, args.log_format) == ("preload", "0", "json")
-    assert args.socket == "/run/weightcache/gpu0.sock"
+    assert args.socket is None  # the device's default socket
     assert args.models == ["/models/a"]
 
 

@@ -193,3 +193,91 @@ def test_without_fallback_model_not_held_raises_model_not_found(
     assert not reply["ok"]
     assert reply["error"]["type"] == weightcache.ModelNotFoundError.__name__
     assert reply["error"]["reason"] == "MODEL_NOT_FOUND"
+
+
+# -- a GPU worker without CUDA (issue 15): no socket can be named, so it falls back --------
+
+WITHOUT_CUDA = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="asserts what a worker that sees no GPU gets"
+)
+
+
+@WITHOUT_CUDA
+def test_cuda_device_without_cuda_is_device_not_visible(
+    worker: Worker, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """``device="cuda:0"`` and no ``socket=``: the socket is named after the GPU's UUID,
+    which this process cannot read; the worker loads from disk with the reason."""
+    reply = worker.load(checkpoints.single, device="cuda:0", capture_logs=True, dump=tmp_path / "w")
+
+    _assert_fell_back(reply, "DEVICE_NOT_VISIBLE", checkpoints.single)
+    detail = reply["fallback_reason"]["detail"]
+    assert detail.startswith(
+        f"device cuda:0: torch {torch.__version__} sees no CUDA/ROCm device, so its UUID "
+        "(which names its daemon's socket) cannot be read (CUDA_VISIBLE_DEVICES="
+    )
+    assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)
+
+
+@WITHOUT_CUDA
+def test_cuda_device_without_cuda_and_without_fallback_raises_device_not_visible(
+    worker: Worker, checkpoints: Checkpoints
+) -> None:
+    reply = worker.load(checkpoints.single, device=1, fallback=False, wait_timeout=0.5)
+
+    assert not reply["ok"]
+    assert reply["error"]["type"] == weightcache.DeviceNotVisibleError.__name__
+    assert reply["error"]["reason"] == "DEVICE_NOT_VISIBLE"
+    assert reply["error"]["detail"].startswith("device cuda:1: torch ")
+
+
+def test_a_given_socket_wins_over_the_device(
+    worker: Worker, daemon: Daemon, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """``socket=`` is used as given: the device's UUID is never read (no fallback here even
+    without CUDA)."""
+    reply = worker.load(
+        checkpoints.single, socket=daemon.socket, device="cuda:0", mode="copy", dump=tmp_path / "w"
+    )
+
+    assert (reply["ok"], reply["source"], reply["fallback_reason"]) == (True, "cache", None)
+    assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)
+
+
+def test_every_fallback_code_is_documented() -> None:
+    """``FallbackReason.CODES`` is what falls back, and its docstring names each code."""
+    from weightcache._loader import _FALLBACK_REASONS
+
+    codes = weightcache.FallbackReason.CODES
+    assert set(codes) == _FALLBACK_REASONS
+    assert len(codes) == len(set(codes)) == 11
+    doc = weightcache.FallbackReason.__doc__ or ""
+    assert [c for c in codes if f"``{c}``" not in doc] == []
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert [c for c in codes if f"- `{c}`: " not in readme] == []
+
+
+def test_other_fingerprint_level_than_the_daemons_falls_back(
+    daemon: Daemon, worker: Worker, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """The daemon fingerprinted ``single`` at its default level, ``sampled``; a worker at
+    ``layout`` computes another fingerprint and does not attach (README: the levels must
+    match). The detail names the daemon's level."""
+    reply = worker.load(
+        checkpoints.single,
+        socket=daemon.socket,
+        fingerprint_level="layout",
+        capture_logs=True,
+        dump=tmp_path / "w",
+    )
+
+    _assert_fell_back(
+        reply,
+        "FINGERPRINT_MISMATCH",
+        checkpoints.single,
+        ("checkpoint/model.safetensors", "format"),
+    )
+    assert reply["fallback_reason"]["detail"].startswith(
+        "held model 'single' (fingerprint level sampled, "
+    )
+    assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)

@@ -13,8 +13,13 @@ Subcommands:
   Only the caller's own segments, or any for root; a live daemon's are never touched.
   Exits 0, or 1 when /dev/shm cannot be read or a segment cannot be removed.
 
-Every client subcommand takes ``--socket`` (default ``$WEIGHTCACHE_SOCKET``, then the
-per-user default path) and exits 1 with the daemon's reason when a request fails.
+The daemon and every client subcommand take ``--device`` (default ``cpu``) and
+``--socket``: without ``--socket``, the socket is the device's by the one rule of
+:mod:`weightcache.core.sockets` (``$WEIGHTCACHE_SOCKET``, else ``cpu.sock`` or
+``GPU-<uuid>.sock`` in the runtime dir), the same rule a worker's
+``weightcache.load(path, device=...)`` follows. A client subcommand exits 1 with the
+daemon's reason when a request fails (``DEVICE_NOT_VISIBLE`` when ``--device`` is a GPU
+whose UUID cannot be read), 2 when ``--device`` names no device.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightcache.core.errors import RecipeError, WeightCacheError
-from weightcache.core.rpc import call, connect, default_socket, target
+from weightcache.core.rpc import call, connect, target
+from weightcache.core.sockets import default_socket
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 # The daemon's modules (and torch) are imported inside `preload` only, so that `health`,
@@ -46,6 +52,9 @@ FINGERPRINT_LEVELS = ("layout", "sampled", "full")
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+DEVICE_HELP = (
+    "cpu, cuda:N, N or a GPU UUID: the daemon's device, whose socket is the default (default: cpu)"
+)
 
 
 def configure_logging(fmt: str = "console") -> None:
@@ -81,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument(
         "--device",
         default="cpu",
-        help="cpu (shared memory), or cuda:N / a GPU UUID (CUDA IPC, one daemon per GPU)",
+        help="cpu (shared memory), or cuda:N, N / a GPU UUID (CUDA IPC, one daemon per GPU)",
     )
     daemon.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32, F64")
     daemon.add_argument("--tp-size", type=int, default=1, help="tensor-parallel world size")
@@ -152,17 +161,20 @@ def _parser() -> argparse.ArgumentParser:
         ("health", "exit 0 when ready"),
         ("info", "daemon versions and memory"),
     ):
-        cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--socket", default=None, help="the daemon's Unix socket")
-        cmd.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per RPC")
+        _client_arguments(sub.add_parser(name, help=text))
     evict = sub.add_parser("evict", help="drop a model")
     evict.add_argument("name")
     evict.add_argument("--force", action="store_true")
-    evict.add_argument("--socket", default=None)
-    evict.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    _client_arguments(evict)
     gc = sub.add_parser("gc", help="remove the shared-memory segments of dead daemons")
     gc.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     return parser
+
+
+def _client_arguments(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--socket", default=None, help="the daemon's Unix socket (wins over --device)")
+    cmd.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    cmd.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per RPC")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,7 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _preload(args)
     if args.command == "gc":
         return _gc(args.dry_run)
-    socket = args.socket or default_socket()
+    try:
+        socket = client_socket(args)
+    except ValueError as err:
+        print(f"weightcache {args.command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except WeightCacheError as err:
+        print(f"weightcache {args.command}: {err.reason}: {err.detail}", file=sys.stderr)
+        return EXIT_FAILURE
     if args.command == "health":
         return _health(socket, args.timeout)
     try:
@@ -186,16 +205,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
 
 
-def _daemon_socket(args: argparse.Namespace) -> str:
-    """``--socket``, else the default path for the device: its UUID names a GPU's."""
-    from weightcache.core.cuda import device_uuid
+def client_socket(args: argparse.Namespace) -> str:
+    """The socket of a client subcommand: ``--socket``, else ``--device``'s default.
+
+    Raises:
+        ValueError: ``--device`` names no device.
+        DeviceNotVisibleError: ``--device`` is a GPU index whose UUID cannot be read.
+    """
+    return str(args.socket) if args.socket else default_socket(args.device)
+
+
+def daemon_socket(args: argparse.Namespace) -> str:
+    """The daemon's socket: ``--socket``, else ``--device``'s default (its UUID names a
+    GPU's), by the rule workers and the client subcommands follow.
+
+    Raises:
+        DeviceError: ``--device`` names no visible device.
+    """
     from weightcache_service.backend import resolve_device
 
     if args.socket:
         return str(args.socket)
-    if args.device == "cpu":
-        return default_socket()
-    return default_socket(device_uuid(resolve_device(args.device)))
+    if args.device != "cpu":
+        resolve_device(args.device)  # its own message when the device is not there
+    return default_socket(args.device)
 
 
 def _preload(args: argparse.Namespace) -> int:
@@ -236,7 +269,7 @@ def _preload(args: argparse.Namespace) -> int:
         )
         ranks = parse_ranks(args.tp_rank, args.tp_size)
         config = DaemonConfig(
-            socket=_daemon_socket(args),
+            socket=daemon_socket(args),
             device=args.device,
             preload=[
                 PreloadSpec(path, recipe, Placement(rank, args.tp_size), level)

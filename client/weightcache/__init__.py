@@ -12,6 +12,7 @@ if _typing.TYPE_CHECKING:
     from weightcache._lease import EXIT_LEASE_LOST, ClientLease
     from weightcache._loader import FallbackReason, LoadedWeights, load, load_from_disk
     from weightcache._module import load_into
+    from weightcache._options import LoadKeywords, LoadOptions
     from weightcache.core.checkpoint import (
         Checkpoint,
         FileIdentity,
@@ -50,7 +51,7 @@ if _typing.TYPE_CHECKING:
     from weightcache.core.pipeline import CheckpointReader, Node, TensorSpec
     from weightcache.core.plugins import ENTRY_POINT_GROUP, PluginStep, RecipePlugin
     from weightcache.core.recipe import Pipeline, Placement, Recipe
-    from weightcache.core.rpc import default_socket
+    from weightcache.core.sockets import default_socket
     from weightcache.core.tp import TPPlan
     from weightcache.core.version import PROTOCOL_VERSION, __version__
 
@@ -96,6 +97,8 @@ _SOURCES = {
     "load": "weightcache._loader",
     "load_from_disk": "weightcache._loader",
     "load_into": "weightcache._module",
+    "LoadKeywords": "weightcache._options",
+    "LoadOptions": "weightcache._options",
     "CheckpointReader": "weightcache.core.pipeline",
     "Node": "weightcache.core.pipeline",
     "TensorSpec": "weightcache.core.pipeline",
@@ -105,7 +108,7 @@ _SOURCES = {
     "Pipeline": "weightcache.core.recipe",
     "Placement": "weightcache.core.recipe",
     "Recipe": "weightcache.core.recipe",
-    "default_socket": "weightcache.core.rpc",
+    "default_socket": "weightcache.core.sockets",
     "TPPlan": "weightcache.core.tp",
     "PROTOCOL_VERSION": "weightcache.core.version",
     "__version__": "weightcache.core.version",
@@ -133,6 +136,8 @@ __all__ = [
     "LeaseLostError",
     "LeaseNotFoundError",
     "LeasesActiveError",
+    "LoadKeywords",
+    "LoadOptions",
     "LoadedWeights",
     "ModelExistsError",
     "ModelFailedError",

@@ -1,12 +1,21 @@
 """``load()``: attach to the daemon's weights, or load from disk with the same recipe.
 
-What falls back to disk (with ``fallback=True``) and the reason code it records:
+What falls back to disk (with ``fallback=True``) and the reason code it records, one of
+``FallbackReason.CODES``:
 
 - ``DAEMON_UNAVAILABLE``: no socket, or the daemon does not answer;
 - ``MODEL_NOT_FOUND``: the daemon holds nothing like this checkpoint;
-- ``FINGERPRINT_MISMATCH``: it holds a model that differs (``detail`` names where);
+- ``FINGERPRINT_MISMATCH``: it holds a model that differs (``detail`` names where; also
+  what a ``fingerprint_level`` other than the daemon's gives);
 - ``MODEL_LOADING``: the daemon was still loading it after ``wait_timeout`` seconds;
-- ``MODEL_FAILED``, ``DRAINING``, ``RESOURCE_EXHAUSTED``: the daemon cannot serve it.
+- ``MODEL_FAILED``, ``DRAINING``, ``RESOURCE_EXHAUSTED``: the daemon cannot serve it;
+- ``UNTRUSTED_SOCKET``: the socket, its folder or a segment is a symlink or belongs to a
+  user this process does not trust;
+- ``INVALID_HANDLE``: the daemon's storage handle cannot be opened or does not fit;
+- ``DEVICE_NOT_VISIBLE``: the GPU is not visible to this process: the daemon's (its
+  ``CUDA_VISIBLE_DEVICES`` hides it), or the one ``device=`` names, whose UUID names its
+  daemon's socket (torch sees no CUDA device, or too few);
+- ``CUDA_ERROR``: a CUDA (HIP) runtime call to map the daemon's memory failed.
 
 What is an error either way: a malformed checkpoint (:class:`InvalidCheckpointError`) and
 a bad recipe (:class:`RecipeError`); loading from disk cannot fix those.
@@ -19,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal, Unpack
 
 import structlog
 import torch
@@ -27,8 +36,6 @@ from google.protobuf import duration_pb2
 
 from weightcache._handles import MappedArena, open_cuda_ipc, open_shared_memory
 from weightcache._lease import (
-    POLICIES,
-    REVOKE_POLICIES,
     ClientLease,
     LostCallback,
     Policy,
@@ -37,6 +44,7 @@ from weightcache._lease import (
     live_session,
     session_for,
 )
+from weightcache._options import LoadKeywords, LoadOptions, Mode, resolve
 from weightcache._trust import check_socket, trusted_uids
 from weightcache.core.checkpoint import Checkpoint, open_checkpoint
 from weightcache.core.errors import (
@@ -50,33 +58,33 @@ from weightcache.core.errors import (
 from weightcache.core.fingerprint import Fingerprint, Level, compute_fingerprint, fingerprint_pb
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
-from weightcache.core.rpc import call, connect, default_socket
+from weightcache.core.rpc import call, connect
+from weightcache.core.sockets import default_socket
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 log = structlog.get_logger("weightcache")
 
-Mode = Literal["zero_copy", "copy"]
 Source = Literal["cache", "disk"]
 #: Seconds between Acquire attempts while the model loads or the daemon starts.
 RETRY_INTERVAL = 0.1
 #: Seconds one Acquire call may take.
 RPC_TIMEOUT = 10.0
-_FALLBACK_REASONS = frozenset(
-    {
-        "DAEMON_UNAVAILABLE",
-        "MODEL_NOT_FOUND",
-        "FINGERPRINT_MISMATCH",
-        "MODEL_LOADING",
-        "MODEL_FAILED",
-        "DRAINING",
-        "RESOURCE_EXHAUSTED",
-        "INVALID_HANDLE",
-        "UNTRUSTED_SOCKET",
-        "DEVICE_NOT_VISIBLE",
-        "CUDA_ERROR",
-    }
+#: Every code of FallbackReason, in the order the module's docstring explains them.
+_CODES = (
+    "DAEMON_UNAVAILABLE",
+    "MODEL_NOT_FOUND",
+    "FINGERPRINT_MISMATCH",
+    "MODEL_LOADING",
+    "MODEL_FAILED",
+    "DRAINING",
+    "RESOURCE_EXHAUSTED",
+    "UNTRUSTED_SOCKET",
+    "INVALID_HANDLE",
+    "DEVICE_NOT_VISIBLE",
+    "CUDA_ERROR",
 )
+_FALLBACK_REASONS = frozenset(_CODES)
 
 
 @dataclass(frozen=True)
@@ -84,11 +92,17 @@ class FallbackReason:
     """Why weights came from disk instead of the daemon.
 
     Attributes:
-        code: ``DAEMON_UNAVAILABLE``, ``MODEL_NOT_FOUND``, ``FINGERPRINT_MISMATCH``,
-            ``MODEL_LOADING``, ``MODEL_FAILED``, ``DRAINING`` or ``RESOURCE_EXHAUSTED``.
+        code: one of :attr:`CODES`: ``DAEMON_UNAVAILABLE``, ``MODEL_NOT_FOUND``,
+            ``FINGERPRINT_MISMATCH``, ``MODEL_LOADING``, ``MODEL_FAILED``, ``DRAINING``,
+            ``RESOURCE_EXHAUSTED``, ``UNTRUSTED_SOCKET``, ``INVALID_HANDLE``,
+            ``DEVICE_NOT_VISIBLE`` or ``CUDA_ERROR`` (the module :mod:`weightcache._loader`
+            says when each is recorded).
         detail: the daemon's (or client's) explanation.
         components: for ``FINGERPRINT_MISMATCH``, the differing fingerprint components.
     """
+
+    #: Every code a fallback can record.
+    CODES: ClassVar[tuple[str, ...]] = _CODES
 
     code: str
     detail: str
@@ -182,88 +196,48 @@ def release(socket: str, lease_id: str) -> None:
 def load(
     model_dir: str | os.PathLike[str],
     *,
-    socket: str | None = None,
-    dtype: str | torch.dtype | None = None,
-    recipe: Recipe | None = None,
-    mode: Mode = "zero_copy",
-    fallback: bool = True,
-    fingerprint_level: Level = "sampled",
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    ttl: float = 10.0,
-    wait_timeout: float = 30.0,
-    lease_policy: Policy | None = None,
-    on_lease_lost: LostCallback | None = None,
-    on_revoke: RevokePolicy = "copy",
-    trusted_uid: int | None = None,
+    options: LoadOptions | None = None,
+    **keywords: Unpack[LoadKeywords],
 ) -> LoadedWeights:
     """Get a checkpoint's weights from the daemon, or from disk.
 
+    ``load(path, options=LoadOptions(device="cuda:0", ttl=30.0))`` and
+    ``load(path, device="cuda:0", ttl=30.0)`` are the same call; giving both ``options`` and
+    keywords is a ``TypeError``. With neither, every option has its default: the daemon
+    of the CPU at its default socket (:func:`weightcache.default_socket`).
+
     Args:
         model_dir: checkpoint folder (``model.safetensors`` or a sharded index).
-        socket: daemon socket; default ``$WEIGHTCACHE_SOCKET`` or the per-user path.
-        dtype: cast floating tensors (``"BF16"``, ``torch.float16``, ...); None keeps them.
-        recipe: the full recipe (dtype, tensor-parallel plan, plugins); overrides ``dtype``.
-        mode: ``"zero_copy"`` maps the daemon's arena copy-on-write and holds a lease;
-            ``"copy"`` copies into private memory and releases at once.
-        fallback: load from disk, with the reason recorded, when the daemon cannot serve.
-            Without it, wait up to ``wait_timeout`` for a daemon or a loading model, then
-            raise.
-        fingerprint_level: ``"sampled"`` (default), ``"layout"`` or ``"full"``; must match
-            the level the daemon fingerprinted the model at.
-        tp_rank, tp_size: tensor-parallel placement.
-        ttl: lease TTL requested, in seconds (the daemon clamps it).
-        wait_timeout: seconds to wait for a model the daemon is still loading (and, without
-            fallback, for the daemon to come up).
-        lease_policy: ``"raise"``, ``"exit"`` or ``"ignore"``; see :mod:`weightcache._lease`.
-            None picks the backend's default: ``"ignore"`` for shared memory, whose
-            mapping stays valid after the daemon is gone; ``"exit"`` for CUDA zero-copy,
-            whose memory may be gone.
-        on_lease_lost: called with the :class:`LeaseLostError` when the lease is lost.
-        on_revoke: ``"copy"``, ``"raise"`` or ``"exit"``: what to do when the daemon
-            revokes the lease (forced evict, drain); see :mod:`weightcache._lease`.
-        trusted_uid: a uid besides this user and root whose daemon socket is trusted
-            (default ``$WEIGHTCACHE_TRUSTED_UID``); see :mod:`weightcache._trust`.
+        options: every option, field by field in :class:`LoadOptions` (socket, device,
+            dtype, recipe, mode, fallback, fingerprint_level, tp_rank, tp_size, ttl,
+            wait_timeout, lease_policy, on_lease_lost, on_revoke, trusted_uid).
+        **keywords: the same fields as keywords, instead of ``options``.
 
     Returns:
         The weights; ``source`` says where they came from and ``fallback_reason`` why.
 
     Raises:
+        TypeError: both ``options`` and keywords are given, ``options`` is not a
+            :class:`LoadOptions`, or a keyword names no option.
+        ValueError: an option is invalid (see :class:`LoadOptions`).
         InvalidCheckpointError: the checkpoint is malformed (either path), or a shard
             changed (dev, inode, size, mtime or ctime) while it was being read.
         RecipeError: the dtype or placement is invalid.
-        ValueError: ``mode``, ``lease_policy`` or ``on_revoke`` is not one of the documented
-            values, or both ``recipe`` and ``dtype`` are given.
-        DaemonUnavailableError, FingerprintMismatchError, ModelNotFoundError,
-        ModelLoadingError, RemoteError: only with ``fallback=False``, when the daemon
-            cannot serve the weights.
+        DaemonUnavailableError, DeviceNotVisibleError, FingerprintMismatchError,
+        ModelNotFoundError, ModelLoadingError, RemoteError: only with ``fallback=False``,
+            when the daemon cannot serve the weights (``DeviceNotVisibleError``: ``device``
+            is a GPU this process cannot see, so its daemon's socket cannot be named).
     """
-    if mode not in ("zero_copy", "copy"):
-        raise ValueError(f"mode must be 'zero_copy' or 'copy', not {mode!r}")
-    if lease_policy is not None and lease_policy not in POLICIES:
-        raise ValueError(f"lease_policy must be one of {POLICIES}, not {lease_policy!r}")
-    if on_revoke not in REVOKE_POLICIES:
-        raise ValueError(f"on_revoke must be one of {REVOKE_POLICIES}, not {on_revoke!r}")
+    opts = resolve(options, keywords)
     with open_checkpoint(model_dir) as checkpoint:
-        placement = Placement(tp_rank, tp_size)
-        pipeline = _recipe_of(recipe, dtype).build(checkpoint, placement)
-        fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
+        placement = Placement(opts.tp_rank, opts.tp_size)
+        pipeline = _recipe_of(opts.recipe, opts.dtype).build(checkpoint, placement)
+        fp = compute_fingerprint(checkpoint, pipeline, placement, opts.fingerprint_level)
         checkpoint.check_unchanged()  # else the fingerprint may mix two versions
-        attach = _Attach(
-            socket=socket or default_socket(),
-            mode=mode,
-            ttl=ttl,
-            wait_timeout=wait_timeout,
-            wait_for_daemon=not fallback,
-            policy=lease_policy,
-            on_lost=on_lease_lost,
-            on_revoke=on_revoke,
-            trusted=trusted_uids(trusted_uid),
-        )
         try:
-            return attach.run(checkpoint, fp)
+            return _Attach.of(opts).run(checkpoint, fp)
         except WeightCacheError as err:
-            if not fallback or err.reason not in _FALLBACK_REASONS:
+            if not opts.fallback or err.reason not in _FALLBACK_REASONS:
                 raise
             components = tuple(err.components) if isinstance(err, FingerprintMismatchError) else ()
             reason = FallbackReason(err.reason, err.detail, components)
@@ -329,6 +303,27 @@ class _Attach:
     on_lost: LostCallback | None
     on_revoke: RevokePolicy
     trusted: frozenset[int]
+
+    @classmethod
+    def of(cls, options: LoadOptions) -> _Attach:
+        """The attach ``options`` ask for.
+
+        Raises:
+            DeviceNotVisibleError: no socket is given and ``options.device`` is a GPU whose
+                UUID cannot be read (it names the daemon's socket).
+            ValueError: no socket is given and ``options.device`` names no device.
+        """
+        return cls(
+            socket=options.socket or default_socket(options.device),
+            mode=options.mode,
+            ttl=options.ttl,
+            wait_timeout=options.wait_timeout,
+            wait_for_daemon=not options.fallback,
+            policy=options.lease_policy,
+            on_lost=options.on_lease_lost,
+            on_revoke=options.on_revoke,
+            trusted=trusted_uids(options.trusted_uid),
+        )
 
     def run(self, checkpoint: Checkpoint, fp: Fingerprint) -> LoadedWeights:
         owner = self._check_socket()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Unpack
 
 import structlog
 import torch
 from torch import nn
 
 from weightcache._loader import LoadedWeights, load
+from weightcache._options import LoadKeywords, LoadOptions
 
 log = structlog.get_logger("weightcache")
 
@@ -19,7 +20,8 @@ def load_into(
     model_dir: str | os.PathLike[str],
     *,
     strict: bool = True,
-    **load_kwargs: Any,
+    options: LoadOptions | None = None,
+    **keywords: Unpack[LoadKeywords],
 ) -> LoadedWeights:
     """Load a checkpoint with :func:`load` and make its tensors the module's parameters.
 
@@ -41,14 +43,16 @@ def load_into(
         strict: raise when a parameter has no tensor or a tensor matches no parameter or
             buffer. Buffers the checkpoint lacks keep their values either way; any left
             on the ``meta`` device is named in a warning log.
-        **load_kwargs: passed to :func:`load` (``socket``, ``dtype``, ``mode``, ...).
+        options: the options of :func:`load` (:class:`LoadOptions`).
+        **keywords: the same options as keywords (``socket``, ``device``, ``dtype``,
+            ``mode``, ...), instead of ``options``; both is a ``TypeError``.
 
     Raises:
         ValueError: ``strict`` and names do not match, or a tensor's shape differs from
             the parameter it replaces. Nothing in the module is changed then.
         Every exception of :func:`load`.
     """
-    loaded = load(model_dir, **load_kwargs)
+    loaded = load(model_dir, options=options, **keywords)
     try:
         for value in assign(module, loaded.tensors, strict=strict):
             loaded.track(value)

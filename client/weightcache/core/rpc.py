@@ -18,29 +18,9 @@ from weightcache.core.errors import (
 )
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
-ENV_SOCKET = "WEIGHTCACHE_SOCKET"
 T = TypeVar("T")
 #: Largest response accepted: an AcquireResponse of a model with very many tensors.
 MAX_RESPONSE_BYTES = 256 * 2**20
-
-
-def default_socket(device: str = "cpu") -> str:
-    """The socket path used when none is given.
-
-    ``$WEIGHTCACHE_SOCKET`` if set; else ``/run/weightcache/<device>.sock`` as root; else
-    ``$XDG_RUNTIME_DIR/weightcache/<device>.sock``, or ``/tmp/weightcache-<uid>/...`` when
-    ``XDG_RUNTIME_DIR`` is unset.
-    """
-    env = os.environ.get(ENV_SOCKET)
-    if env:
-        return env
-    if os.geteuid() == 0:
-        base = "/run/weightcache"
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        base = os.path.join(os.environ["XDG_RUNTIME_DIR"], "weightcache")
-    else:
-        base = f"/tmp/weightcache-{os.geteuid()}"
-    return os.path.join(base, f"{device}.sock")
 
 
 def target(socket: str) -> str:

@@ -1,0 +1,144 @@
+"""Where a device's daemon listens: the one socket-naming rule.
+
+The daemon (``weightcache preload --device D``), the admin commands (``weightcache ls
+--device D``), the worker SDK (``weightcache.load(path, device=D)``) and the shipped
+systemd units all name a socket through :func:`default_socket`, so that a worker that
+gives no ``socket=`` meets the daemon of its device.
+
+The rule, first match wins:
+
+1. ``$WEIGHTCACHE_SOCKET``, whatever the device;
+2. ``<runtime dir>/cpu.sock`` for the CPU, ``<runtime dir>/GPU-<uuid>.sock`` for a GPU.
+
+The runtime dir is ``$WEIGHTCACHE_RUNTIME_DIR`` if set; else ``/run/weightcache`` as root;
+else ``$XDG_RUNTIME_DIR/weightcache``; else ``/tmp/weightcache-<uid>``. A GPU is named by
+its UUID, the physical device's, never by an index: a worker whose
+``CUDA_VISIBLE_DEVICES`` renumbers the GPUs (``cuda:0`` in a worker started with
+``CUDA_VISIBLE_DEVICES=3``) still finds the daemon started for that GPU.
+
+Devices are written as the daemon's ``--device`` takes them: ``"cpu"``, ``"cuda:N"``,
+``"N"``, ``"cuda"`` (the current device), a UUID (``"GPU-…"``, ``"MIG-…"``, optionally
+after ``cuda:``), an ``int`` N, or a ``torch.device``. Only a GPU given by index needs
+torch and a visible device to read its UUID; everything else is plain string work, so
+the CPU paths of the admin commands stay fast (``weightcache health`` is an exec probe).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Union
+
+from weightcache.core.errors import DeviceNotVisibleError
+
+if TYPE_CHECKING:
+    import torch
+
+#: Overrides the whole rule: the socket of every device.
+ENV_SOCKET = "WEIGHTCACHE_SOCKET"
+#: Overrides the runtime dir only (the systemd units set it: their daemons are not root).
+ENV_RUNTIME_DIR = "WEIGHTCACHE_RUNTIME_DIR"
+#: The runtime dir of root, and of the shipped systemd units (``RuntimeDirectory=``).
+SYSTEM_RUNTIME_DIR = "/run/weightcache"
+CPU = "cpu"
+_UUID_PREFIXES = ("GPU-", "MIG-")
+
+#: What names a device: ``"cpu"``, ``"cuda:N"``, a GPU UUID, an index, a ``torch.device``.
+DeviceLike = Union[str, int, "torch.device"]
+
+
+def default_socket(device: DeviceLike = CPU) -> str:
+    """The socket path of ``device``'s daemon, by the rule of this module.
+
+    Args:
+        device: ``"cpu"`` (default), ``"cuda:N"``, ``"N"``, ``"cuda"``, a GPU UUID (with or
+            without ``cuda:``), an ``int`` N (``cuda:N``) or a ``torch.device``.
+
+    Returns:
+        An absolute path unless ``$WEIGHTCACHE_SOCKET`` holds a relative one.
+
+    Raises:
+        ValueError: ``device`` names no CPU or CUDA device (``"mps"``, ``"cuda:x"``, a
+            negative index, a ``bool``); not raised while ``$WEIGHTCACHE_SOCKET`` is set.
+        DeviceNotVisibleError: a GPU given by index whose UUID cannot be read: torch sees
+            no CUDA/ROCm device, or fewer than N+1; not raised while
+            ``$WEIGHTCACHE_SOCKET`` is set.
+    """
+    env = os.environ.get(ENV_SOCKET)
+    if env:
+        return env  # the device is not even read: no CUDA is needed then
+    return os.path.join(runtime_dir(), socket_name(device))
+
+
+def runtime_dir() -> str:
+    """The folder of the default sockets (see the module's rule)."""
+    explicit = os.environ.get(ENV_RUNTIME_DIR)
+    if explicit:
+        return explicit
+    if os.geteuid() == 0:
+        return SYSTEM_RUNTIME_DIR
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return os.path.join(xdg, "weightcache")
+    return f"/tmp/weightcache-{os.geteuid()}"
+
+
+def socket_name(device: DeviceLike) -> str:
+    """``cpu.sock``, or ``GPU-<uuid>.sock`` (the UUID as ``nvidia-smi -L`` prints it).
+
+    Raises:
+        ValueError, DeviceNotVisibleError: as in :func:`default_socket`.
+    """
+    text = parse_device(device)
+    if text == CPU:
+        return f"{CPU}.sock"
+    target = text.removeprefix("cuda:")
+    if target.startswith(_UUID_PREFIXES):
+        return f"{target}.sock"
+    return f"{_uuid_of(None if target == 'cuda' else int(target), text)}.sock"
+
+
+def parse_device(device: DeviceLike) -> str:
+    """``device`` written as ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a bare UUID; no CUDA
+    call is made.
+
+    Raises:
+        ValueError: ``device`` names no CPU or CUDA device (``"mps"``, ``"cuda:x"``, a
+            negative index, a ``bool``).
+    """
+    usage = "use cpu, cuda:N, N, cuda, a GPU-/MIG- UUID, an index or a torch.device"
+    if isinstance(device, bool):  # a bool is an int, and True is no device
+        raise ValueError(f"device {device!r}: {usage}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device {device}: an index is 0 or more")
+        return f"cuda:{device}"
+    text = str(device)  # a torch.device prints as "cpu", "cuda" or "cuda:N"
+    target = text.removeprefix("cuda:")
+    if text in (CPU, "cuda") or target.startswith(_UUID_PREFIXES):
+        return target if target.startswith(_UUID_PREFIXES) else text
+    if target.isdigit():
+        return f"cuda:{int(target)}"
+    raise ValueError(f"device {text!r}: {usage}")
+
+
+def _uuid_of(index: int | None, shown: str) -> str:
+    """The UUID of this process's device ``index`` (the current one for None)."""
+    import torch  # only here: the CPU paths must not pay for it
+
+    from weightcache.core.cuda import device_uuid
+
+    if not torch.cuda.is_available():
+        raise DeviceNotVisibleError(
+            f"device {shown}: torch {torch.__version__} sees no CUDA/ROCm device, so its "
+            f"UUID (which names its daemon's socket) cannot be read "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+        )
+    count = torch.cuda.device_count()
+    if index is None:
+        index = torch.cuda.current_device()
+    if index >= count:
+        raise DeviceNotVisibleError(
+            f"device {shown}: this process sees {count} device(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+        )
+    return device_uuid(index)
