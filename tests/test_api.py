@@ -12,7 +12,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 import weightcache
 from weightcache.core.errors import ERROR_DOMAIN, error_for_reason
-from weightcache_service.status import to_grpc_status
+from weightcache.core.protocol import to_grpc_status
 
 
 def _subclasses(cls: type[weightcache.RemoteError]) -> list[type[weightcache.RemoteError]]:
