@@ -356,6 +356,7 @@ def _ready(entry: Entry) -> Entry:
             metadata={**failure.metadata, "model": entry.name},
         )
     cause = {"cause": failure.reason} if failure is not None else {}
+    # The state is named as on the wire (MODEL_STATE_FAILED), as workers and logs read it.
     raise ModelFailedError(
         f"model {entry.name!r} is MODEL_STATE_{entry.state.upper()}: {entry.error}",
         metadata={"model": entry.name, **cause},
