@@ -37,7 +37,7 @@ from google.protobuf import duration_pb2
 
 import weightcache
 from tests.support import Daemon
-from weightcache.core.fingerprint import fingerprint_pb
+from weightcache.core.protocol import fingerprint_pb
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 GROUP = "wctest_group"

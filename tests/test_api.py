@@ -23,7 +23,7 @@ import weightcache
 from tests.support import Checkpoints, Daemon, DaemonPool, assert_bitwise_equal
 from weightcache._options import LoadKeywords
 from weightcache.core.errors import ERROR_DOMAIN, error_for_reason
-from weightcache_service.status import to_grpc_status
+from weightcache.core.protocol import to_grpc_status
 
 
 def _subclasses(cls: type[weightcache.RemoteError]) -> list[type[weightcache.RemoteError]]:

@@ -45,6 +45,8 @@ from weightcache.core.errors import (
     HandleError,
     WeightCacheError,
 )
+from weightcache.core.protocol import tensor_view_pb
+from weightcache.core.records import CudaIpcHandle, TensorView
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import plan_slots
 from weightcache_service.cli import _parser
@@ -75,7 +77,7 @@ def test_cuda_ipc_handle_round_trips_raw_bytes_and_size() -> None:
         storage=pb.StorageHandle(
             cuda_ipc=pb.CudaIpcHandle(device_uuid=UUID_A, ipc_handle=RAW, size=BIG_SIZE)
         ),
-        tensors=[slot.view() for slot in slots],
+        tensors=[tensor_view_pb(slot.view()) for slot in slots],
     )
 
     assert len(RAW) == IPC_HANDLE_BYTES == 64
@@ -181,7 +183,7 @@ def test_local_index_without_a_cuda_device_is_device_not_visible(
 # -- refusals before any CUDA call -------------------------------------------------------
 
 
-def _views() -> list[pb.TensorView]:
+def _views() -> list[TensorView]:
     slots, _ = plan_slots([("w", "BF16", (4, 8)), ("q", "F8_E4M3", (16,))])
     return [slot.view() for slot in slots]
 
@@ -191,7 +193,7 @@ def test_open_cuda_ipc_of_an_invisible_device_is_refused_before_any_runtime_call
     monkeypatch: pytest.MonkeyPatch, copy: bool
 ) -> None:
     monkeypatch.setattr(_cuda, "runtime", _no_runtime)
-    handle = pb.CudaIpcHandle(device_uuid=ABSENT, ipc_handle=bytes(64), size=256)
+    handle = CudaIpcHandle(device_uuid=ABSENT, ipc_handle=bytes(64), size=256)
 
     with pytest.raises(DeviceNotVisibleError) as raised:
         open_cuda_ipc(handle, _views(), copy=copy)
@@ -231,7 +233,7 @@ def test_attach_maps_a_cuda_handle_it_cannot_see_to_device_not_visible(
         storage=pb.StorageHandle(
             cuda_ipc=pb.CudaIpcHandle(device_uuid=ABSENT, ipc_handle=RAW, size=512)
         ),
-        tensors=_views(),
+        tensors=[tensor_view_pb(v) for v in _views()],
     )
 
     with pytest.raises(DeviceNotVisibleError) as raised:
@@ -243,7 +245,9 @@ def test_attach_maps_a_cuda_handle_it_cannot_see_to_device_not_visible(
 
 
 def test_attach_refuses_a_reply_without_a_handle() -> None:
-    reply = pb.AcquireResponse(lease=pb.Lease(lease_id="l" * 32), tensors=_views())
+    reply = pb.AcquireResponse(
+        lease=pb.Lease(lease_id="l" * 32), tensors=[tensor_view_pb(v) for v in _views()]
+    )
 
     with pytest.raises(HandleError) as raised:
         _attach()._map(reply, os.getuid())

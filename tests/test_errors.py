@@ -15,8 +15,8 @@ import weightcache
 from tests.support import TESTS
 from weightcache.core import errors as _errors
 from weightcache.core.errors import DAEMON_ERRORS, ERROR_DOMAIN, error_for_reason
+from weightcache.core.protocol import to_grpc_status
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache_service.status import to_grpc_status
 
 PROTO = TESTS.parent / "protos" / "weightcache" / "v1" / "weight_cache_service.proto"
 PREFIX = "ERROR_REASON_"

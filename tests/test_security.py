@@ -92,7 +92,7 @@ from tests.support import (
     service_stub,
     shm_segments,
 )
-from weightcache.core.fingerprint import fingerprint_pb
+from weightcache.core.protocol import fingerprint_pb
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_address, peer_is_local

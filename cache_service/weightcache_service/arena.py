@@ -22,7 +22,7 @@ import torch
 
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import ResourceExhaustedError
-from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.core.records import SharedMemoryHandle, StorageHandle, TensorView
 from weightcache_service.segments import SEGMENT_PREFIX, SHM_DIR
 
 ALIGNMENT = 256
@@ -42,8 +42,8 @@ class Arena(Protocol):
     def read_into(self, slot: Slot, fill: Callable[[memoryview], None]) -> None:
         """Let ``fill`` produce the slot's bytes."""
 
-    def handle(self) -> pb.StorageHandle:
-        """The wire handle a worker opens."""
+    def handle(self) -> StorageHandle:
+        """The handle a worker opens."""
 
     def close(self) -> None:
         """Free the memory."""
@@ -59,16 +59,10 @@ class Slot:
     byte_offset: int
     nbytes: int
 
-    def view(self) -> pb.TensorView:
-        """The slot as a wire TensorView (row-major contiguous strides)."""
-        stride = [math.prod(self.shape[i + 1 :]) for i in range(len(self.shape))]
-        return pb.TensorView(
-            name=self.name,
-            dtype=self.dtype,
-            shape=list(self.shape),
-            stride=stride,
-            byte_offset=self.byte_offset,
-        )
+    def view(self) -> TensorView:
+        """The slot as a tensor view (row-major contiguous strides)."""
+        stride = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
+        return TensorView(self.name, self.dtype, self.shape, stride, self.byte_offset)
 
 
 def write_slot(base: torch.Tensor, slot: Slot, tensor: torch.Tensor) -> None:
@@ -156,9 +150,9 @@ class SharedMemoryArena:
         with memoryview(self._mmap) as whole:
             fill(whole[slot.byte_offset : slot.byte_offset + slot.nbytes])
 
-    def handle(self) -> pb.StorageHandle:
-        """The wire handle a worker opens."""
-        return pb.StorageHandle(shared_memory=pb.SharedMemoryHandle(path=self.path, size=self.size))
+    def handle(self) -> StorageHandle:
+        """The handle a worker opens: the segment's path and size."""
+        return SharedMemoryHandle(self.path, self.size)
 
     def close(self) -> None:
         """Unlink and unmap; a second call does nothing. Workers that mapped it keep their

@@ -23,19 +23,13 @@ import enum
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
 from weightcache.core.errors import PermissionDeniedError, UnauthenticatedError, WeightCacheError
-from weightcache_service.status import to_grpc_status
+from weightcache_service.interceptors import Behaviour, Handler, MethodWrapper, abort, rewrap
 
-# grpc's classes are generic only in grpc-stubs, not at run time.
-if TYPE_CHECKING:
-    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:
-    _Interceptor = grpc.aio.ServerInterceptor
-Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Check: TypeAlias = Callable[[Any], Awaitable[None]]
 
 
@@ -129,56 +123,29 @@ def refusal(method: str, policy: Policy, peer: str, names: set[str]) -> WeightCa
     )
 
 
-class AuthorizationInterceptor(_Interceptor):
+class AuthorizationInterceptor(MethodWrapper):
     """Refuses each RPC that :func:`refusal` refuses, before its handler runs."""
 
     def __init__(self, policy: Policy) -> None:
+        super().__init__()
         self.policy = policy
-        # Wrapped once per method, not per call: Acquire and KeepAlive pass through here.
-        self._wrapped: dict[str, Handler] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler:
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method
-        if handler is None or RULES.get(method) is Need.ANYONE:
-            return handler
-        wrapped = self._wrapped.get(method)
-        if wrapped is None:
-            wrapped = self._wrapped[method] = self._guard(handler, method)
-        return wrapped
+    def applies(self, method: str) -> bool:
+        """Every method but the health checks, which anyone may call."""
+        return RULES.get(method) is not Need.ANYONE
 
-    def _guard(self, handler: Handler, method: str) -> Handler:
+    def wrap(self, handler: Handler, method: str) -> Handler:
+        """``handler`` with the peer checked before its behaviour runs."""
 
         async def check(context: grpc.aio.ServicerContext[Any, Any]) -> None:
             error = refusal(method, self.policy, context.peer(), certificate_names(context))
             if error is not None:
-                status = to_grpc_status(error)
-                await context.abort(status.code, status.details, status.trailing_metadata)
+                await abort(context, error)
 
-        return _guarded(handler, check)
-
-
-def _guarded(handler: Any, check: Check) -> Handler:
-    """``handler`` with ``check(context)`` run before its behaviour."""
-    kinds = (
-        (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
-        (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
-        (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
-        (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
-    )
-    behaviour, make = next((b, m) for b, m in kinds if b is not None)
-    return make(
-        _wrap(behaviour, check),
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+        return rewrap(handler, lambda _kind, behaviour: _checked(behaviour, check))
 
 
-def _wrap(behaviour: Callable[[Any, Any], Any], check: Check) -> Callable[[Any, Any], Any]:
+def _checked(behaviour: Behaviour, check: Check) -> Behaviour:
     # Streaming handlers are async generators (ours, reflection) or coroutines that write
     # through the context; the wrapper must be of the same kind for grpc.aio to drive it.
     if inspect.isasyncgenfunction(behaviour):

@@ -76,3 +76,15 @@ def cuda_backend(index: int) -> Backend:
         return int(torch.cuda.mem_get_info(index)[0])
 
     return Backend("cuda_ipc", f"cuda:{index}", device_uuid(index), make, available)
+
+
+def open_backend(device: str, segment_prefix: str, access: Access) -> Backend:
+    """The backend for ``--device``: ``"cpu"`` (shared memory, segments named with
+    ``segment_prefix``), else a CUDA device (``cuda:N``, ``N`` or a ``GPU-...`` UUID).
+
+    Raises:
+        DeviceError: no CUDA device, or none matching.
+    """
+    if device == "cpu":
+        return cpu_backend(segment_prefix, access)
+    return cuda_backend(resolve_device(device))

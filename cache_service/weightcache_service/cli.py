@@ -238,8 +238,8 @@ def _preload(args: argparse.Namespace) -> int:
     from weightcache_service.access import Access, AccessError
     from weightcache_service.backend import DeviceError
     from weightcache_service.budget import MemoryBudget, parse_size
+    from weightcache_service.cache import ServiceOptions
     from weightcache_service.server import DaemonConfig, PreloadSpec, model_roots, run_daemon
-    from weightcache_service.service import ServiceOptions
     from weightcache_service.socket_lock import SocketInUseError
 
     configure_logging(args.log_format)

@@ -14,7 +14,7 @@ import torch
 
 from weightcache.core.cuda import IPC_HANDLE_BYTES, device_tensor, device_uuid, runtime
 from weightcache.core.errors import CudaError, ResourceExhaustedError
-from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.core.records import CudaIpcHandle, StorageHandle
 from weightcache_service.arena import Slot, write_slot
 
 
@@ -64,15 +64,11 @@ class CudaArena:
         fill(staging.numpy().data)
         write_slot(self._base, slot, staging)
 
-    def handle(self) -> pb.StorageHandle:
-        """The wire handle: device UUID, the raw 64-byte IPC handle, size. Called once the
+    def handle(self) -> StorageHandle:
+        """The handle: device UUID, the raw 64-byte IPC handle, size. Called once the
         load is done; it waits for every copy to land before anyone can map the arena."""
         torch.cuda.synchronize(self.index)
-        return pb.StorageHandle(
-            cuda_ipc=pb.CudaIpcHandle(
-                device_uuid=self.uuid, ipc_handle=self._handle, size=self.size
-            )
-        )
+        return CudaIpcHandle(self.uuid, bytes(self._handle), self.size)
 
     def close(self) -> None:
         """Free the allocation (after every lease on it has ended); a second call does

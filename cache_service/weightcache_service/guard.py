@@ -13,20 +13,18 @@ something unexpected, with a bare ``UNKNOWN`` and no ``google.rpc.ErrorInfo``. W
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from weightcache.core.errors import InternalError, InvalidArgumentError, WeightCacheError
-from weightcache_service.status import to_grpc_status
+from weightcache.core.errors import InternalError, InvalidArgumentError
+from weightcache_service.interceptors import Behaviour, Handler, Kind, MethodWrapper, abort, rewrap
 
 log = structlog.get_logger("weightcache.daemon")
-
-Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Any]
 
 
 @dataclass(frozen=True)
@@ -43,11 +41,6 @@ class Undecodable:
         )
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: WeightCacheError) -> None:
-    status = to_grpc_status(error)
-    await context.abort(status.code, status.details, status.trailing_metadata)
-
-
 def _internal(method: str, exc: Exception) -> InternalError:
     log.error("handler failed", method=method, exc_info=exc)
     return InternalError(
@@ -56,13 +49,7 @@ def _internal(method: str, exc: Exception) -> InternalError:
     )
 
 
-if TYPE_CHECKING:
-    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:  # the stubs are generic, the runtime class is not
-    _Interceptor = grpc.aio.ServerInterceptor
-
-
-class StatusGuard(_Interceptor):
+class StatusGuard(MethodWrapper):
     """Wraps the handlers of the methods under ``prefix`` (e.g. ``/weightcache.v1.X/``).
 
     Args:
@@ -70,81 +57,56 @@ class StatusGuard(_Interceptor):
     """
 
     def __init__(self, prefix: str) -> None:
+        super().__init__()
         self._prefix = prefix
-        # Wrapped once per method, not per call: Acquire and KeepAlive pass through here.
-        self._wrapped: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method
-        if handler is None or not method.startswith(self._prefix):
+    def applies(self, method: str) -> bool:
+        """The methods of the guarded service."""
+        return method.startswith(self._prefix)
+
+    def wrap(self, handler: Handler, method: str) -> Handler:
+        """``handler`` with undecodable requests refused and unexpected exceptions turned
+        into INTERNAL."""
+        parse = handler.request_deserializer
+        if parse is None:  # generated service handlers always parse their requests
             return handler
-        wrapped = self._wrapped.get(method)
-        if wrapped is None:
-            wrapped = self._wrapped[method] = _guarded(handler, method)
-        return wrapped
+
+        def deserialize(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except DecodeError as exc:
+                return Undecodable(method, str(exc))
+
+        return rewrap(handler, lambda kind, inner: _WRAPPERS[kind](inner, method), deserialize)
 
 
-def _guarded(handler: Any, method: str) -> grpc.RpcMethodHandler[Any, Any]:
-    parse = handler.request_deserializer
-
-    def deserialize(raw: bytes) -> Any:
-        try:
-            return parse(raw)
-        except DecodeError as exc:
-            return Undecodable(method, str(exc))
-
-    serialize = handler.response_serializer
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(
-            _unary(handler.unary_unary, method), deserialize, serialize
-        )
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(
-            _unary_stream(handler.unary_stream, method), deserialize, serialize
-        )
-    if handler.stream_stream is not None:
-        return grpc.stream_stream_rpc_method_handler(
-            _stream_stream(handler.stream_stream, method), deserialize, serialize
-        )
-    return grpc.stream_unary_rpc_method_handler(
-        _stream_unary(handler.stream_unary, method), deserialize, serialize
-    )
-
-
-def _unary(inner: Handler, method: str) -> Handler:
+def _unary(inner: Behaviour, method: str) -> Behaviour:
     async def behaviour(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if isinstance(request, Undecodable):
-            await _abort(context, request.refusal())
+            await abort(context, request.refusal())
         try:
             return await inner(request, context)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, _internal(method, exc))
+            await abort(context, _internal(method, exc))
 
     return behaviour
 
 
-def _unary_stream(inner: Handler, method: str) -> Handler:
+def _unary_stream(inner: Behaviour, method: str) -> Behaviour:
     async def behaviour(
         request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         if isinstance(request, Undecodable):
-            await _abort(context, request.refusal())
+            await abort(context, request.refusal())
         try:
             async for response in inner(request, context):
                 yield response
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, _internal(method, exc))
+            await abort(context, _internal(method, exc))
 
     return behaviour
 
@@ -164,7 +126,7 @@ class _Requests:
             yield request
 
 
-def _stream_stream(inner: Handler, method: str) -> Handler:
+def _stream_stream(inner: Behaviour, method: str) -> Behaviour:
     async def behaviour(
         requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
@@ -175,14 +137,14 @@ def _stream_stream(inner: Handler, method: str) -> Handler:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, _internal(method, exc))
+            await abort(context, _internal(method, exc))
         if checked.bad is not None:
-            await _abort(context, checked.bad.refusal())
+            await abort(context, checked.bad.refusal())
 
     return behaviour
 
 
-def _stream_unary(inner: Handler, method: str) -> Handler:
+def _stream_unary(inner: Behaviour, method: str) -> Behaviour:
     async def behaviour(
         requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
     ) -> Any:
@@ -192,9 +154,17 @@ def _stream_unary(inner: Handler, method: str) -> Handler:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, _internal(method, exc))
+            await abort(context, _internal(method, exc))
         if checked.bad is not None:
-            await _abort(context, checked.bad.refusal())
+            await abort(context, checked.bad.refusal())
         return response
 
     return behaviour
+
+
+_WRAPPERS: dict[Kind, Callable[[Behaviour, str], Behaviour]] = {
+    Kind.UNARY_UNARY: _unary,
+    Kind.UNARY_STREAM: _unary_stream,
+    Kind.STREAM_UNARY: _stream_unary,
+    Kind.STREAM_STREAM: _stream_stream,
+}

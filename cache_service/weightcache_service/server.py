@@ -30,12 +30,13 @@ from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
 from weightcache_service.arena import remove_stale_segments
 from weightcache_service.authz import AuthorizationInterceptor, Policy
-from weightcache_service.backend import cpu_backend, cuda_backend, resolve_device
+from weightcache_service.backend import open_backend
 from weightcache_service.budget import MemoryBudget
+from weightcache_service.cache import ServiceOptions, WeightCache
 from weightcache_service.guard import StatusGuard
 from weightcache_service.leases import LeaseTable
 from weightcache_service.segments import SEGMENT_PREFIX, owner_part, remove_dead_segments
-from weightcache_service.service import ServiceOptions, WeightCacheService
+from weightcache_service.servicer import WeightCacheServicer
 from weightcache_service.socket_lock import SocketLock
 from weightcache_service.store import Store
 
@@ -165,17 +166,16 @@ class Daemon:
         owner = owner_part()  # lets any later daemon tell this one's segments are garbage
         self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-{owner}-"
         self._tag = tag
-        if config.device == "cpu":
-            self.backend = cpu_backend(self._segment_prefix, config.access)
-        else:
-            self.backend = cuda_backend(resolve_device(config.device))
+        # The device is resolved here, once: the store, the cache and server info all read
+        # this one Backend.
+        self.backend = open_backend(config.device, self._segment_prefix, config.access)
         config.budget.bind(self.backend.available)
         self.store = Store(self.backend.make_arena, config.budget)
-        self.service = WeightCacheService(
+        self.cache = WeightCache(
             self.store, leases or LeaseTable(), config.options, self.instance_id, self.backend
         )
         # Until every start-up preload is registered, a miss may be a model about to load.
-        self.service.starting = bool(config.preload)
+        self.cache.starting = bool(config.preload)
         self.health = health_aio.HealthServicer()
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
@@ -239,7 +239,7 @@ class Daemon:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_WeightCacheServiceServicer_to_server(self.service, server)
+        pb_grpc.add_WeightCacheServiceServicer_to_server(WeightCacheServicer(self.cache), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
@@ -278,23 +278,23 @@ class Daemon:
     async def _drain(self) -> None:
         """Refuse new leases, push REVOKING to every holder, and wait until they have all
         released or the drain timeout has passed (or a second signal came)."""
-        self.service.draining = True
+        self.cache.draining = True
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        live = self.service.revoke_all()
+        live = self.cache.revoke_all()
         if not live:
             return
         timeout = self.config.options.drain_timeout
         log.info("draining", leases=live, timeout=timeout)
         loop = asyncio.get_running_loop()
         deadline = self._drain_deadline = loop.time() + timeout
-        while len(self.service.leases) and loop.time() < deadline and not self._force.is_set():
+        while len(self.cache.leases) and loop.time() < deadline and not self._force.is_set():
             await asyncio.sleep(0.05)
-        log.info("drained", leases_left=len(self.service.leases))
+        log.info("drained", leases_left=len(self.cache.leases))
 
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(REAP_INTERVAL)
-            self.service.reap()
+            self.cache.reap()
 
     async def _preload_startup(self) -> None:
         cfg = self.config
@@ -302,7 +302,7 @@ class Daemon:
         refused = 0
         for spec in cfg.preload:
             try:
-                _, task = await self.service.begin_load(
+                _, task = await self.cache.begin_load(
                     spec.path, spec.recipe, spec.placement, spec.fingerprint_level
                 )
                 tasks.append(task)
@@ -317,11 +317,11 @@ class Daemon:
                 # Never let one model stop the others or leave health NOT_SERVING forever.
                 refused += 1
                 log.exception("cannot preload", path=spec.path, error=repr(err))
-        self.service.starting = False
+        self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         entries = self.store.entries()
-        ready = [e for e in entries if e.state == pb.MODEL_STATE_READY]
+        ready = [e for e in entries if e.state == "ready"]
         failed = refused + len(entries) - len(ready)
         (log.error if failed else log.info)(
             "ready",
@@ -341,12 +341,12 @@ class Daemon:
         return min(self.config.grace, max(0.0, left))
 
     async def _shutdown(self, server: grpc.aio.Server) -> None:
-        log.info("shutting down", leases=len(self.service.leases))
-        self.service.draining = True
+        log.info("shutting down", leases=len(self.cache.leases))
+        self.cache.draining = True
         await self.health.enter_graceful_shutdown()
-        self.service.close_sessions()
+        self.cache.close_sessions()
         await server.stop(self._grace())
-        await self.service.wait_loads()
+        await self.cache.wait_loads()
         self.store.close()
         log.info("stopped")
 

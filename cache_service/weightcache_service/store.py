@@ -27,7 +27,7 @@ from weightcache.core.errors import (
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.recipe import Pipeline, Placement, Recipe
-from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.core.records import LoadProgress, ModelInfo, ModelState, StorageHandle, TensorView
 from weightcache_service.arena import Arena, Slot, plan_slots
 from weightcache_service.budget import MemoryBudget
 
@@ -42,7 +42,7 @@ class Entry:
     placement: Placement
     pipeline: Pipeline
     fingerprint: Fingerprint
-    state: pb.ModelState = pb.MODEL_STATE_LOADING
+    state: ModelState = "loading"
     slots: list[Slot] = field(default_factory=list)
     size: int = 0
     arena: Arena | None = None
@@ -55,8 +55,41 @@ class Entry:
     finished: threading.Event = field(default_factory=threading.Event)
     create_time: float = field(default_factory=time.time)
     load_seconds: float = 0.0
-    views: list[pb.TensorView] = field(default_factory=list)
-    handle: pb.StorageHandle | None = None
+    views: list[TensorView] = field(default_factory=list)
+    handle: StorageHandle | None = None
+    #: The recipe as applied (plan found, plugin steps): what the model is reported with.
+    resolved: Recipe = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.resolved = self.pipeline.resolved()
+
+    def progress(self) -> LoadProgress:
+        """How far the load has come."""
+        return LoadProgress(
+            bytes_done=self.bytes_done,
+            bytes_total=self.data_bytes,
+            tensors_done=self.tensors_done,
+            tensors_total=len(self.slots),
+        )
+
+    def info(self, lease_count: int) -> ModelInfo:
+        """A snapshot of the model, with ``lease_count`` live leases on it."""
+        return ModelInfo(
+            name=self.name,
+            state=self.state,
+            fingerprint=self.fingerprint,
+            path=str(self.checkpoint.root),
+            recipe=self.resolved,
+            placement=self.placement,
+            size_bytes=self.size,
+            tensor_count=len(self.slots),
+            lease_count=lease_count,
+            create_time=self.create_time,
+            progress=self.progress(),
+            error=self.error,
+            load_seconds=self.load_seconds if self.state == "ready" else None,
+            metadata=dict(self.checkpoint.metadata),
+        )
 
 
 class Store:
@@ -111,7 +144,7 @@ class Store:
         for entry in list(self._entries.values()):
             if entry.fingerprint.digest != fp.digest:
                 continue
-            if entry.state == pb.MODEL_STATE_FAILED:
+            if entry.state == "failed":
                 del self._entries[entry.name]  # a retry replaces a failed load
             else:
                 raise ModelExistsError(
@@ -183,10 +216,10 @@ class Store:
                 if entry.failure is None:
                     _fail(entry, ModelFailedError(f"load of {entry.name!r} was interrupted"))
                 self._free(entry)
-        if entry.state == pb.MODEL_STATE_FAILED:
+        if entry.state == "failed":
             return
         entry.load_seconds = time.monotonic() - start
-        entry.state = pb.MODEL_STATE_READY
+        entry.state = "ready"
 
     @staticmethod
     def _load_tensor(entry: Entry, arena: Arena, reader: CheckpointReader, slot: Slot) -> None:
@@ -201,7 +234,7 @@ class Store:
         entry.bytes_done += slot.nbytes
         entry.tensors_done += 1
 
-    def find(self, fp: pb.Fingerprint, path: str) -> Entry:
+    def find(self, fp: Fingerprint, path: str) -> Entry:
         """The READY model whose fingerprint is ``fp``.
 
         A FAILED model answers for its fingerprint, and for its path before any other
@@ -217,23 +250,20 @@ class Store:
                 lists what differs.
             ModelNotFoundError: nothing matches or resembles ``fp``.
         """
-        candidates = [e for e in self._entries.values() if e.state != pb.MODEL_STATE_EVICTING]
+        candidates = [e for e in self._entries.values() if e.state != "evicting"]
         for entry in candidates:
             if entry.fingerprint.digest == fp.digest:
                 return _ready(entry)
         # A model of this path that the daemon failed to hold explains the miss better than
         # an unrelated held model that happens to share a layout.
         for entry in candidates:
-            if entry.state == pb.MODEL_STATE_FAILED and str(entry.checkpoint.root) == path:
+            if entry.state == "failed" and str(entry.checkpoint.root) == path:
                 _ready(entry)
-        wanted = {c.name: c.digest for c in fp.components}
         best: tuple[int, Entry, list[str]] | None = None
         for entry in candidates:
-            mine = entry.fingerprint.components
-            same_layout = mine.get("layout") == wanted.get("layout")
-            if str(entry.checkpoint.root) != path and not same_layout:
+            if str(entry.checkpoint.root) != path and not entry.fingerprint.same_layout(fp):
                 continue
-            differing = sorted(n for n in set(mine) | set(wanted) if mine.get(n) != wanted.get(n))
+            differing = entry.fingerprint.differing(fp)
             if best is None or len(differing) < best[0]:
                 best = (len(differing), entry, differing)
         if best is None:
@@ -265,15 +295,13 @@ class Store:
 
     def held_bytes(self) -> int:
         """Bytes of arenas held or reserved by a load in progress."""
-        return sum(e.size for e in self._entries.values() if e.state != pb.MODEL_STATE_FAILED)
+        return sum(e.size for e in self._entries.values() if e.state != "failed")
 
     def pending_bytes(self) -> int:
         """Bytes admitted but not yet allocated: loads whose arena does not exist yet, which
         the backend's free space (statvfs, MemAvailable) does not show."""
         return sum(
-            e.size
-            for e in self._entries.values()
-            if e.state == pb.MODEL_STATE_LOADING and e.arena is None
+            e.size for e in self._entries.values() if e.state == "loading" and e.arena is None
         )
 
     def close(self) -> None:
@@ -306,13 +334,13 @@ def _fail(entry: Entry, error: WeightCacheError) -> None:
     error.__traceback__ = error.__context__ = error.__cause__ = None
     entry.failure = error
     entry.error = str(error)
-    entry.state = pb.MODEL_STATE_FAILED
+    entry.state = "failed"
 
 
 def _ready(entry: Entry) -> Entry:
-    if entry.state == pb.MODEL_STATE_READY:
+    if entry.state == "ready":
         return entry
-    if entry.state == pb.MODEL_STATE_LOADING:
+    if entry.state == "loading":
         raise ModelLoadingError(
             f"model {entry.name!r} is loading ({entry.bytes_done}/{entry.data_bytes} bytes)",
             metadata={
@@ -328,7 +356,8 @@ def _ready(entry: Entry) -> Entry:
             metadata={**failure.metadata, "model": entry.name},
         )
     cause = {"cause": failure.reason} if failure is not None else {}
+    # The state is named as on the wire (MODEL_STATE_FAILED), as workers and logs read it.
     raise ModelFailedError(
-        f"model {entry.name!r} is {pb.ModelState.Name(entry.state)}: {entry.error}",
+        f"model {entry.name!r} is MODEL_STATE_{entry.state.upper()}: {entry.error}",
         metadata={"model": entry.name, **cause},
     )

@@ -24,7 +24,7 @@ import torch
 from weightcache.core.cuda import local_index, open_ipc
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import HandleError
-from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.core.records import CudaIpcHandle, SharedMemoryHandle, TensorView
 
 SHM_DIR = "/dev/shm"
 
@@ -85,8 +85,8 @@ class MappedArena:
 
 
 def open_shared_memory(
-    handle: pb.SharedMemoryHandle,
-    views: Sequence[pb.TensorView],
+    handle: SharedMemoryHandle,
+    views: Sequence[TensorView],
     *,
     copy: bool,
     owner: int | None = None,
@@ -125,9 +125,7 @@ def open_shared_memory(
     return MappedArena(tensors=build_views(base, views), base=base, size=size)
 
 
-def open_cuda_ipc(
-    handle: pb.CudaIpcHandle, views: Sequence[pb.TensorView], *, copy: bool
-) -> MappedArena:
+def open_cuda_ipc(handle: CudaIpcHandle, views: Sequence[TensorView], *, copy: bool) -> MappedArena:
     """Open a CUDA IPC arena on the local device with the handle's UUID.
 
     Args:
@@ -170,7 +168,7 @@ def _open_regular(path: str) -> int:
     return fd
 
 
-def build_views(base: torch.Tensor, views: Sequence[pb.TensorView]) -> dict[str, torch.Tensor]:
+def build_views(base: torch.Tensor, views: Sequence[TensorView]) -> dict[str, torch.Tensor]:
     """Build one tensor per view of a 1-D ``uint8`` tensor holding the arena.
 
     Raises:
@@ -183,7 +181,7 @@ def build_views(base: torch.Tensor, views: Sequence[pb.TensorView]) -> dict[str,
         dtype = TORCH_DTYPES.get(view.dtype)
         if dtype is None:
             raise HandleError(f"tensor {view.name!r}: unknown dtype {view.dtype!r}")
-        shape, stride = tuple(view.shape), tuple(view.stride)
+        shape, stride = view.shape, view.stride
         _check_view(view, shape, stride, dtype.itemsize, base.numel())
         if view.dtype not in typed:
             typed[view.dtype] = base.view(dtype)
@@ -194,7 +192,7 @@ def build_views(base: torch.Tensor, views: Sequence[pb.TensorView]) -> dict[str,
 
 
 def _check_view(
-    view: pb.TensorView,
+    view: TensorView,
     shape: tuple[int, ...],
     stride: tuple[int, ...],
     item: int,

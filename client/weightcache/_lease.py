@@ -43,6 +43,7 @@ import grpc
 import structlog
 
 from weightcache.core.errors import LeaseLostError
+from weightcache.core.protocol import lease_status_from_pb
 from weightcache.core.rpc import connect
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -206,16 +207,16 @@ class KeepAliveSession:
 
     def _on_response(self, response: pb.KeepAliveResponse) -> None:
         now = self._clock()
-        for status in response.leases:
+        for status in map(lease_status_from_pb, response.leases):
             with self._lock:
                 lease = self._leases.get(status.lease_id)
             if lease is None:
                 continue
             if response.instance_id != lease.instance_id:
                 self._lose(lease, "the daemon restarted (new instance id)")
-            elif status.state == pb.LEASE_STATE_ACTIVE:
+            elif status.state == "active":
                 lease.last_ack = now
-            elif status.state == pb.LEASE_STATE_REVOKING:
+            elif status.state == "revoking":
                 self._revoke(lease)
             else:
                 self._lose(lease, "the daemon no longer knows the lease")

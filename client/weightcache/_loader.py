@@ -32,7 +32,6 @@ from typing import ClassVar, Literal, Unpack
 
 import structlog
 import torch
-from google.protobuf import duration_pb2
 
 from weightcache._handles import MappedArena, open_cuda_ipc, open_shared_memory
 from weightcache._lease import (
@@ -50,14 +49,20 @@ from weightcache.core.checkpoint import Checkpoint, open_checkpoint
 from weightcache.core.errors import (
     DaemonUnavailableError,
     FingerprintMismatchError,
-    HandleError,
     LeaseLostError,
     ModelLoadingError,
     WeightCacheError,
 )
-from weightcache.core.fingerprint import Fingerprint, Level, compute_fingerprint, fingerprint_pb
+from weightcache.core.fingerprint import Fingerprint, Level, compute_fingerprint
 from weightcache.core.pipeline import CheckpointReader, materialize
+from weightcache.core.protocol import (
+    acquire_request_pb,
+    duration_from_pb,
+    storage_from_pb,
+    tensor_view_from_pb,
+)
 from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
+from weightcache.core.records import Acquisition, CudaIpcHandle, Environment
 from weightcache.core.rpc import call, connect
 from weightcache.core.sockets import default_socket
 from weightcache.core.version import __version__
@@ -352,7 +357,7 @@ class _Attach:
         weights.lease = ClientLease(
             lease_id=lease_id,
             instance_id=reply.lease.instance_id,
-            ttl=reply.lease.ttl.ToNanoseconds() / 1e9,
+            ttl=duration_from_pb(reply.lease.ttl),
             policy=self.policy or default_policy(arena.base.device.type),
             on_lost=self.on_lost,
             last_ack=time.monotonic(),
@@ -377,29 +382,26 @@ class _Attach:
                 time.sleep(RETRY_INTERVAL)
 
     def _map(self, reply: pb.AcquireResponse, owner: int) -> MappedArena:
-        kind = reply.storage.WhichOneof("handle")
+        storage = storage_from_pb(reply.storage)
+        views = [tensor_view_from_pb(view) for view in reply.tensors]
         copy = self.mode == "copy"
-        if kind == "shared_memory":
-            return open_shared_memory(
-                reply.storage.shared_memory, reply.tensors, copy=copy, owner=owner
-            )
-        if kind == "cuda_ipc":
-            return open_cuda_ipc(reply.storage.cuda_ipc, reply.tensors, copy=copy)
-        raise HandleError(f"the daemon offers a handle this client does not know: {kind}")
+        if isinstance(storage, CudaIpcHandle):
+            return open_cuda_ipc(storage, views, copy=copy)
+        return open_shared_memory(storage, views, copy=copy, owner=owner)
 
 
 def _acquire_request(checkpoint: Checkpoint, fp: Fingerprint, ttl: float) -> pb.AcquireRequest:
-    ttl_pb = duration_pb2.Duration()
-    ttl_pb.FromNanoseconds(int(ttl * 1e9))
-    return pb.AcquireRequest(
-        request_id=uuid.uuid4().hex,
-        fingerprint=fingerprint_pb(fp),
-        checkpoint_path=str(checkpoint.root),
-        ttl=ttl_pb,
-        environment=pb.Environment(
-            weightcache_version=__version__, torch_version=torch.__version__
-        ),
-        pid=os.getpid(),
+    return acquire_request_pb(
+        Acquisition(
+            request_id=uuid.uuid4().hex,
+            fingerprint=fp,
+            checkpoint_path=str(checkpoint.root),
+            ttl=ttl,
+            environment=Environment(
+                weightcache_version=__version__, torch_version=torch.__version__
+            ),
+            pid=os.getpid(),
+        )
     )
 
 

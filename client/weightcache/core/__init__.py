@@ -14,6 +14,7 @@ Modules (one concept each):
 - ``fingerprint``, ``hashcache``: the identity of a recipe's output and the on-disk digest
   cache of the ``full`` level;
 - ``errors``: the exception hierarchy and the reason codes the daemon sends;
+- ``records``: the values the daemon reports (models, leases, arenas, server info);
 - ``protocol``: every conversion between these domain objects and the protobuf messages;
 - ``sockets``: where a device's daemon listens;
 - ``rpc``: the gRPC channel and call helpers used by the SDK and the admin commands;

@@ -27,7 +27,6 @@ from typing import Any, Literal
 from weightcache.core.checkpoint import Checkpoint, ShardInfo
 from weightcache.core.hashcache import fd_sha256
 from weightcache.core.recipe import Pipeline, Placement, Recipe
-from weightcache.v1 import weight_cache_service_pb2 as pb
 
 FORMAT = "weightcache.fingerprint/1"
 SAMPLE_BYTES = 64
@@ -53,6 +52,11 @@ class Fingerprint:
         """Names of the components that differ from (or are missing in) ``other``, sorted."""
         names = set(self.components) | set(other.components)
         return sorted(n for n in names if self.components.get(n) != other.components.get(n))
+
+    def same_layout(self, other: Fingerprint) -> bool:
+        """Whether ``other`` has the same ``layout`` component (shard names, sizes and
+        headers): a request about this checkpoint, whatever else differs."""
+        return self.components.get("layout") == other.components.get("layout")
 
 
 def compute_fingerprint(
@@ -126,30 +130,3 @@ def _sample_ranges(begin: int, nbytes: int) -> list[tuple[int, int]]:
     middle = begin + (nbytes - SAMPLE_BYTES) // 2
     end = begin + nbytes - SAMPLE_BYTES
     return [(begin, SAMPLE_BYTES), (middle, SAMPLE_BYTES), (end, SAMPLE_BYTES)]
-
-
-_LEVEL_TO_PB = {
-    "layout": pb.FINGERPRINT_LEVEL_LAYOUT,
-    "sampled": pb.FINGERPRINT_LEVEL_SAMPLED,
-    "full": pb.FINGERPRINT_LEVEL_FULL,
-}
-_LEVEL_FROM_PB: dict[int, Level] = {
-    pb.FINGERPRINT_LEVEL_UNSPECIFIED: "sampled",
-    pb.FINGERPRINT_LEVEL_LAYOUT: "layout",
-    pb.FINGERPRINT_LEVEL_SAMPLED: "sampled",
-    pb.FINGERPRINT_LEVEL_FULL: "full",
-}
-
-
-def fingerprint_pb(fp: Fingerprint) -> pb.Fingerprint:
-    """A fingerprint as its wire message."""
-    return pb.Fingerprint(
-        digest=fp.digest,
-        level=_LEVEL_TO_PB[fp.level],
-        components=[pb.FingerprintComponent(name=n, digest=d) for n, d in fp.components.items()],
-    )
-
-
-def level_from_pb(value: int) -> Level | None:
-    """The level a wire enum value names (unspecified: ``sampled``); None if unknown."""
-    return _LEVEL_FROM_PB.get(value)

@@ -122,6 +122,18 @@ class Pipeline:
     nodes: dict[str, Node]
     identity: dict[str, Any]
 
+    def resolved(self) -> Recipe:
+        """The recipe as it was applied: the tensor-parallel plan found (given or from the
+        checkpoint's config) and the plugin steps; what a daemon reports for a model."""
+        plan = self.identity["tp_plan"]
+        return Recipe(
+            dtype=self.identity["dtype"],
+            tp_plan=TPPlan(tuple((pattern, style) for pattern, style in plan)) if plan else None,
+            plugins=tuple(
+                PluginStep(step["name"], tuple(step["params"])) for step in self.identity["plugins"]
+            ),
+        )
+
 
 def _cast(node: Node, dtype: str) -> Node:
     if node.spec.dtype not in CASTABLE or node.spec.dtype == dtype:

@@ -7,15 +7,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
-from weightcache.core.errors import (
-    DaemonUnavailableError,
-    RemoteError,
-    WeightCacheError,
-    error_for_reason,
-)
+from weightcache.core.errors import DaemonUnavailableError
+from weightcache.core.protocol import from_rpc_error
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
@@ -59,19 +53,4 @@ def call(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except grpc.RpcError as exc:
-        raise translate(exc) from None
-
-
-def translate(exc: grpc.RpcError) -> WeightCacheError:
-    """The exception a gRPC error stands for (see :func:`call`)."""
-    status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
-    if status is not None:
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info):
-                return error_for_reason(info.reason, status.message, info.metadata)
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    text = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
-        return DaemonUnavailableError(f"daemon unavailable: {text}")
-    return RemoteError(f"{code}: {text}", reason=str(code.name if code else "UNKNOWN"))
+        raise from_rpc_error(exc) from None

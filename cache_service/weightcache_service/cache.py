@@ -1,0 +1,466 @@
+"""The daemon's cache: loading models, granting and renewing leases, revoking, evicting.
+
+:class:`WeightCache` owns the store and the lease table and every rule about them; it takes
+and returns domain objects (``Fingerprint``, ``Recipe``, ``ModelInfo``, ``Grant``...) and
+never sees a protobuf message or a gRPC context: :mod:`weightcache_service.servicer`
+converts at the edge. (Named ``cache``, not ``daemon``: ``server.Daemon`` is the process.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+
+from weightcache.core.checkpoint import Checkpoint, open_checkpoint
+from weightcache.core.errors import (
+    DrainingError,
+    FingerprintMismatchError,
+    InvalidArgumentError,
+    LeasesActiveError,
+    ModelLoadingError,
+    ModelNotFoundError,
+    PermissionDeniedError,
+    WeightCacheError,
+)
+from weightcache.core.fingerprint import Fingerprint, Level, compute_fingerprint
+from weightcache.core.protocol import MAX_ID_CHARS, MAX_PATH_CHARS, check_len
+from weightcache.core.recipe import Pipeline, Placement, Recipe
+from weightcache.core.records import (
+    Acquisition,
+    Environment,
+    Grant,
+    LeaseInfo,
+    LeaseStatus,
+    ModelInfo,
+    ServerInfo,
+)
+from weightcache.core.version import PROTOCOL_VERSION, __version__
+from weightcache_service.backend import Backend
+from weightcache_service.leases import Lease, LeaseTable
+from weightcache_service.store import Entry, Store, clip
+
+log = structlog.get_logger("weightcache.daemon")
+
+#: What a KeepAlive session is sent: statuses of some of its leases; None ends it.
+Outbox = asyncio.Queue[list[LeaseStatus] | None]
+
+
+@dataclass
+class ServiceOptions:
+    """What the operator allowed.
+
+    Attributes:
+        allow_remote_preload: accept Preload RPCs at all.
+        model_roots: folders (realpath) a remote Preload path must resolve inside.
+        drain_timeout: seconds lease holders get after REVOKING (a forced Evict, or a
+            drain at SIGTERM) before the memory is freed.
+        allowed_plugins: recipe plugins a remote Preload may name.
+    """
+
+    allow_remote_preload: bool = False
+    model_roots: list[Path] = field(default_factory=list)
+    drain_timeout: float = 30.0
+    allowed_plugins: frozenset[str] = frozenset()
+
+
+class WeightCache:
+    """One daemon's models and leases.
+
+    Args:
+        store: the models held.
+        leases: the lease table (its clock drives all lease timing).
+        options: operator's permissions.
+        instance_id: random id of this daemon process.
+        backend: where arenas live (resolved once, by the server).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        leases: LeaseTable,
+        options: ServiceOptions,
+        instance_id: str,
+        backend: Backend,
+    ) -> None:
+        self.store = store
+        self.leases = leases
+        self.options = options
+        self.instance_id = instance_id
+        self.backend = backend
+        self.draining = False
+        #: Until every start-up preload is registered, a miss may be a model about to load.
+        self.starting = False
+        self.start_time = time.time()
+        self.environment = Environment(
+            weightcache_version=__version__,
+            torch_version=torch.__version__,
+            backend=backend.name,
+            device_uuid=backend.device_uuid,
+        )
+        self._sessions: dict[int, Outbox] = {}
+        self._loads: set[asyncio.Task[None]] = set()
+
+    # -- loading ---------------------------------------------------------------------
+
+    async def begin_load(
+        self,
+        path: str,
+        recipe: Recipe,
+        placement: Placement,
+        level: Level,
+        *,
+        confine: bool = False,
+    ) -> tuple[Entry, asyncio.Task[None]]:
+        """Validate and fingerprint a checkpoint (off the event loop), then start loading it.
+
+        Args:
+            confine: every file read must resolve inside a model root (remote Preload).
+
+        Raises:
+            InvalidCheckpointError: the checkpoint is malformed.
+            RecipeError: the recipe cannot be built for the checkpoint.
+            PermissionDeniedError: ``confine`` and a file resolves outside the roots.
+            ModelExistsError: the fingerprint is already held.
+            ResourceExhaustedError: the arena would not fit the memory budget.
+        """
+
+        def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
+            # Confinement is checked on each file as opened: a path checked before the
+            # open could be swapped for a symlink in between.
+            check = self._check_opened if confine else None
+            checkpoint = open_checkpoint(path, check_file=check)
+            try:
+                pipeline = recipe.build(checkpoint, placement)
+                fp = compute_fingerprint(checkpoint, pipeline, placement, level)
+            except BaseException:
+                checkpoint.close()
+                raise
+            return checkpoint, pipeline, fp
+
+        checkpoint, pipeline, fp = await asyncio.to_thread(prepare)
+        try:
+            entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
+        except BaseException:
+            checkpoint.close()
+            raise
+        log.info("loading", model=entry.name, path=str(checkpoint.root), bytes=entry.size)
+        task = asyncio.create_task(asyncio.to_thread(self.store.load, entry))
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+        task.add_done_callback(lambda _t: self._log_loaded(entry))
+        return entry, task
+
+    @staticmethod
+    def _log_loaded(entry: Entry) -> None:
+        if entry.state == "ready":
+            log.info(
+                "loaded",
+                model=entry.name,
+                bytes=entry.size,
+                tensors=len(entry.slots),
+                seconds=round(entry.load_seconds, 3),
+                fingerprint=entry.fingerprint.digest[:16],
+            )
+        else:
+            log.error("load failed", model=entry.name, error=entry.error)
+
+    async def wait_loads(self) -> None:
+        """Wait for every load in progress to end (at shutdown)."""
+        entries = self.store.entries()
+        for entry in entries:
+            entry.cancelled = True
+        # Wait on the threads themselves: a cancelled asyncio task does not stop its thread,
+        # and freeing an arena a thread still writes into would crash the process.
+        await asyncio.to_thread(lambda: [entry.finished.wait() for entry in entries])
+
+    # -- remote preload permissions ------------------------------------------------------
+
+    def remote_path(self, path: str) -> str:
+        """The realpath of a remote Preload's ``path``, if the operator allows it: an early
+        refusal; each file is checked again as opened (:meth:`_check_opened`).
+
+        Raises:
+            PermissionDeniedError: remote Preload is disabled, or the path resolves outside
+                every ``--model-root``.
+            InvalidArgumentError: the path is over :data:`MAX_PATH_CHARS` characters, empty,
+                or holds NUL (``field=path``).
+        """
+        if not self.options.allow_remote_preload:
+            raise PermissionDeniedError(
+                "remote Preload is disabled; start the daemon with --allow-remote-preload "
+                "and --model-root"
+            )
+        check_len("path", path, MAX_PATH_CHARS)
+        if not path or "\0" in path:
+            raise InvalidArgumentError("path is empty or holds NUL", metadata={"field": "path"})
+        real = Path(os.path.realpath(path))
+        for root in self.options.model_roots:
+            if real == root or root in real.parents:
+                return str(real)
+        raise PermissionDeniedError(
+            f"{clip(path)} resolves to {clip(str(real))}, outside every --model-root",
+            metadata={"path": clip(str(real))},
+        )
+
+    def admit_plugin(self, name: str) -> None:
+        """Refuse a recipe plugin the operator did not allow for remote Preload.
+
+        Raises:
+            PermissionDeniedError: ``name`` is not among ``--allow-recipe``.
+        """
+        if name not in self.options.allowed_plugins:
+            raise PermissionDeniedError(
+                f"recipe plugin {name!r} is not allowed; the operator allows "
+                f"{sorted(self.options.allowed_plugins)} (--allow-recipe)",
+                metadata={"plugin": name[:MAX_ID_CHARS]},
+            )
+
+    def _check_opened(self, real: Path) -> None:
+        """Refuse an opened checkpoint file whose real location is outside every model root.
+
+        Raises:
+            PermissionDeniedError: ``real`` is outside every ``--model-root``.
+        """
+        if not any(real == root or root in real.parents for root in self.options.model_roots):
+            raise PermissionDeniedError(
+                f"{clip(str(real))} is outside every --model-root",
+                metadata={"path": clip(str(real))},
+            )
+
+    # -- models ------------------------------------------------------------------------
+
+    def model(self, name: str) -> ModelInfo:
+        """A snapshot of the model called ``name``.
+
+        Raises:
+            ModelNotFoundError: no such model.
+        """
+        return self.info(self.store.get(name))
+
+    def models(self) -> list[ModelInfo]:
+        """Snapshots of every model, sorted by name."""
+        return [self.info(entry) for entry in self.store.entries()]
+
+    def info(self, entry: Entry) -> ModelInfo:
+        """A snapshot of ``entry`` with its live lease count."""
+        return entry.info(len(self.leases.for_model(entry.name)))
+
+    def server_info(self) -> ServerInfo:
+        """Versions, backend and memory of this daemon."""
+        budget = self.store.budget
+        limit = budget.limit if budget is not None else None
+        return ServerInfo(
+            version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            torch_version=torch.__version__,
+            backend=self.backend.name,
+            device=self.backend.device,
+            device_uuid=self.backend.device_uuid,
+            memory_held_bytes=self.store.held_bytes(),
+            memory_budget_bytes=limit or 0,
+            instance_id=self.instance_id,
+            start_time=self.start_time,
+        )
+
+    # -- leases ------------------------------------------------------------------------
+
+    def check_open(self) -> None:
+        """Refuse new leases while draining.
+
+        Raises:
+            DrainingError: the daemon is draining.
+        """
+        if self.draining:
+            raise DrainingError("the daemon is draining; load from disk or retry elsewhere")
+
+    def acquire(self, want: Acquisition) -> Grant:
+        """Lease the READY model whose fingerprint ``want`` names.
+
+        Raises:
+            DrainingError: the daemon is draining.
+            ModelLoadingError: the model is loading, or start-up preloads are not all
+                registered yet and nothing matches.
+            FingerprintMismatchError, ModelNotFoundError: no held model matches (the
+                message notes a version skew of the worker's environment).
+            ModelFailedError, ResourceExhaustedError: the model failed or was refused.
+            InvalidArgumentError: ``request_id`` was used for another model's lease.
+        """
+        self.check_open()
+        try:
+            entry = self.store.find(want.fingerprint, want.checkpoint_path)
+        except (FingerprintMismatchError, ModelNotFoundError) as err:
+            if self.starting:
+                raise ModelLoadingError(
+                    "the daemon is starting: its start-up models are not all registered yet",
+                    metadata={"bytes_done": "0", "bytes_total": "0"},
+                ) from None
+            raise self._with_skew(err, want.environment) from None
+        if entry.handle is None:
+            raise ModelLoadingError(f"model {entry.name!r} is not ready")
+        lease = self.leases.grant(entry.name, want.ttl, want.request_id, want.pid)
+        log.info("acquired", model=entry.name, lease=lease.lease_id[:8], pid=want.pid)
+        return Grant(
+            lease=self._lease_info(lease),
+            model=self.info(entry),
+            storage=entry.handle,
+            tensors=tuple(entry.views),
+            environment=self.environment,
+        )
+
+    def _with_skew(self, err: WeightCacheError, client: Environment) -> WeightCacheError:
+        """Say so when a miss comes with a version skew: the environment stamp is kept out
+        of the identity, so a skew shows up as a miss that this note explains."""
+        mine = self.environment
+        skews = [
+            f"{key} client {getattr(client, key)} daemon {getattr(mine, key)}"
+            for key in ("weightcache_version", "torch_version")
+            if getattr(client, key) and getattr(client, key) != getattr(mine, key)
+        ]
+        if not skews:
+            return err
+        err.detail = f"{err.detail}; environment differs: {', '.join(skews)}"
+        err.args = (err.detail,)
+        err.metadata["environment"] = "; ".join(skews)
+        return err
+
+    def open_session(self) -> tuple[int, Outbox]:
+        """A new KeepAlive session: its id, and the queue of what it is to be sent
+        (renewals, and REVOKING notices pushed by :meth:`_revoke`)."""
+        session = self.leases.open_session()
+        outbox: Outbox = asyncio.Queue()
+        self._sessions[session] = outbox
+        return session, outbox
+
+    def close_session(self, session: int) -> None:
+        """End a KeepAlive session: every lease bound to it ends, and what only they held
+        is freed."""
+        del self._sessions[session]
+        for lease in self.leases.end_session(session):
+            log.info("lease ended: keepalive stream closed", lease=lease.lease_id[:8])
+        self._free_evicted()
+
+    def renew(self, lease_ids: Iterable[str], session: int) -> list[LeaseStatus]:
+        """Renew leases on behalf of ``session``; each id's status, in order (ids are cut
+        to :data:`MAX_ID_CHARS` to look up, and reported as given)."""
+        statuses = []
+        expired = False
+        for lease_id in lease_ids:
+            lease = self.leases.renew(lease_id[:MAX_ID_CHARS], session)
+            # Expired since the last reap: gone now (NOT_FOUND), and what only it held is
+            # freed now rather than at the next reaper tick.
+            expired |= lease is None and self._end_if_expired(lease_id[:MAX_ID_CHARS])
+            statuses.append(self._lease_status(lease_id, lease))
+        if expired:
+            self._free_evicted()
+        return statuses
+
+    def release(self, lease_id: str) -> None:
+        """End a lease (idempotent), freeing a revoked model nobody holds any more."""
+        expired = self._end_if_expired(lease_id)
+        lease = self.leases.release(lease_id)
+        if lease is not None:
+            log.info("released", model=lease.model, lease=lease.lease_id[:8])
+        if lease is not None or expired:
+            self._free_evicted()
+
+    def _end_if_expired(self, lease_id: str) -> bool:
+        lease = self.leases.end_if_expired(lease_id)
+        if lease is not None:
+            log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
+        return lease is not None
+
+    def _lease_status(self, lease_id: str, lease: Lease | None) -> LeaseStatus:
+        if lease is None:
+            return LeaseStatus(lease_id, "not_found")
+        if lease.revoke_deadline is not None:
+            return LeaseStatus(
+                lease_id,
+                "revoking",
+                expire_time=self._wall(lease.expire_at),
+                revoke_deadline=self._wall(lease.revoke_deadline),
+            )
+        return LeaseStatus(lease_id, "active", expire_time=self._wall(lease.expire_at))
+
+    def _lease_info(self, lease: Lease) -> LeaseInfo:
+        return LeaseInfo(
+            lease_id=lease.lease_id,
+            model=lease.model,
+            ttl=lease.ttl,
+            expire_time=self._wall(lease.expire_at),
+            instance_id=self.instance_id,
+        )
+
+    def _wall(self, clock_seconds: float) -> float:
+        """A lease-clock reading as epoch seconds."""
+        return time.time() + clock_seconds - self.leases.clock()
+
+    # -- eviction and draining ---------------------------------------------------------
+
+    def evict(self, name: str, force: bool) -> ModelInfo:
+        """Free a model now, or (``force`` with live leases) revoke its leases and free it
+        once they end; returns the model as it was before.
+
+        Raises:
+            ModelNotFoundError: no such model.
+            ModelLoadingError: the model is loading.
+            LeasesActiveError: it has live leases and ``force`` is not set.
+        """
+        entry = self.store.get(name)
+        if entry.state == "loading":
+            raise ModelLoadingError(f"model {entry.name!r} is loading; evict it once loaded")
+        holders = self.leases.for_model(entry.name)
+        if holders and not force:
+            raise LeasesActiveError(
+                f"model {entry.name!r} has {len(holders)} live lease(s); release them or "
+                "evict with force (weightcache evict --force)",
+                metadata={"model": entry.name, "leases": str(len(holders))},
+            )
+        snapshot = self.info(entry)
+        if holders:
+            self._revoke(entry)
+        else:
+            self.store.remove(entry.name)
+            log.info("evicted", model=entry.name)
+        return snapshot
+
+    def close_sessions(self) -> None:
+        """End every KeepAlive stream (at shutdown, so that stopping waits for none)."""
+        for outbox in self._sessions.values():
+            outbox.put_nowait(None)
+
+    def revoke_all(self) -> int:
+        """Revoke every lease (drain); returns how many were live."""
+        count = len(self.leases)
+        for entry in self.store.entries():
+            if self.leases.for_model(entry.name):
+                self._revoke(entry)
+        return count
+
+    def _revoke(self, entry: Entry) -> None:
+        entry.state = "evicting"
+        deadline = self.leases.clock() + self.options.drain_timeout
+        revoked = self.leases.revoke(entry.name, deadline)
+        log.warning("revoking", model=entry.name, leases=len(revoked))
+        for lease in revoked:
+            outbox = self._sessions.get(lease.session) if lease.session is not None else None
+            if outbox is not None:
+                outbox.put_nowait([self._lease_status(lease.lease_id, lease)])
+
+    def reap(self) -> None:
+        """End expired leases and free evicting models nobody holds any more."""
+        for lease in self.leases.reap():
+            log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
+        self._free_evicted()
+
+    def _free_evicted(self) -> None:
+        for entry in self.store.entries():
+            if entry.state == "evicting" and not self.leases.for_model(entry.name):
+                self.store.remove(entry.name)
+                log.info("evicted", model=entry.name)

@@ -1,0 +1,164 @@
+"""The ``weightcache.v1.WeightCacheService`` servicer: the gRPC edge of the cache.
+
+Each RPC decodes its request (:mod:`weightcache.core.protocol`), calls the
+:class:`~weightcache_service.cache.WeightCache`, encodes the reply, and ends with a rich
+status when the cache refuses. What is about the transport stays here: whether the peer is
+on the daemon's host, and how much of a KeepAlive stream is read ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from weightcache.core.errors import NotSameHostError, WeightCacheError
+from weightcache.core.protocol import (
+    MAX_ID_CHARS,
+    MAX_LEASES_PER_REQUEST,
+    MAX_PATH_CHARS,
+    acquire_response_pb,
+    acquisition_from_pb,
+    check_len,
+    keepalive_response_pb,
+    level_from_pb,
+    model_pb,
+    model_state_pb,
+    placement_from_pb,
+    progress_pb,
+    recipe_from_pb,
+    server_info_pb,
+)
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service.access import peer_is_local
+from weightcache_service.cache import Outbox, WeightCache
+from weightcache_service.interceptors import abort
+from weightcache_service.store import Entry
+
+#: KeepAlive answers queued for a peer before its stream is no longer read.
+MAX_PENDING_RESPONSES = 64
+#: Seconds between Preload progress messages.
+PROGRESS_INTERVAL = 0.25
+
+R = TypeVar("R")
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def _unary(
+    fn: Callable[[Any, Any, Any], Awaitable[R]],
+) -> Callable[[Any, Any, Any], Awaitable[R]]:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: Any) -> R:
+        try:
+            return await fn(self, request, context)
+        except WeightCacheError as err:
+            await abort(context, err)
+            raise AssertionError("unreachable: abort raises") from err
+
+    return wrapper
+
+
+class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
+    """Serves one daemon's cache over gRPC.
+
+    Args:
+        cache: the models and leases served.
+    """
+
+    def __init__(self, cache: WeightCache) -> None:
+        self.cache = cache
+
+    async def Preload(
+        self, request: pb.PreloadRequest, context: Context
+    ) -> AsyncIterator[pb.PreloadResponse]:
+        try:
+            path = self.cache.remote_path(request.path)
+            recipe = recipe_from_pb(request.recipe, admit=self.cache.admit_plugin)
+            placement = placement_from_pb(request.placement)
+            level = level_from_pb(request.fingerprint_level)
+            entry, task = await self.cache.begin_load(path, recipe, placement, level, confine=True)
+            while not task.done():
+                yield _preload_response(entry)
+                await asyncio.wait([task], timeout=PROGRESS_INTERVAL)
+            if entry.failure is not None:
+                raise entry.failure
+            yield _preload_response(entry)
+        except WeightCacheError as err:
+            await abort(context, err)
+
+    @_unary
+    async def GetModel(self, request: pb.GetModelRequest, context: Context) -> pb.GetModelResponse:
+        check_len("name", request.name, MAX_PATH_CHARS)
+        return pb.GetModelResponse(model=model_pb(self.cache.model(request.name)))
+
+    @_unary
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: Context
+    ) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[model_pb(m) for m in self.cache.models()])
+
+    @_unary
+    async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
+        self.cache.check_open()
+        want = acquisition_from_pb(request)
+        if not peer_is_local(context.peer()):
+            raise NotSameHostError(
+                "shared-memory handles open only on the daemon's host; connect over its "
+                "Unix socket or a loopback address"
+            )
+        return acquire_response_pb(self.cache.acquire(want))
+
+    async def KeepAlive(
+        self, request_iterator: AsyncIterator[pb.KeepAliveRequest], context: Context
+    ) -> AsyncIterator[pb.KeepAliveResponse]:
+        session, outbox = self.cache.open_session()
+        reader = asyncio.create_task(self._read_keepalives(request_iterator, session, outbox))
+        try:
+            while (statuses := await outbox.get()) is not None:
+                yield keepalive_response_pb(self.cache.instance_id, statuses)
+        finally:
+            reader.cancel()
+            self.cache.close_session(session)
+
+    async def _read_keepalives(
+        self, requests: AsyncIterator[pb.KeepAliveRequest], session: int, outbox: Outbox
+    ) -> None:
+        try:
+            async for request in requests:
+                if len(request.lease_ids) > MAX_LEASES_PER_REQUEST:
+                    break
+                # A peer that sends without reading must not grow the daemon's memory: stop
+                # reading (so its sends stall) until it has taken its answers.
+                while outbox.qsize() >= MAX_PENDING_RESPONSES:
+                    await asyncio.sleep(0.05)
+                outbox.put_nowait(self.cache.renew(request.lease_ids, session))
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the peer went away; the stream's end releases its leases
+        finally:
+            outbox.put_nowait(None)
+
+    @_unary
+    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
+        self.cache.release(check_len("lease_id", request.lease_id, MAX_ID_CHARS))
+        return pb.ReleaseResponse()
+
+    @_unary
+    async def Evict(self, request: pb.EvictRequest, context: Context) -> pb.EvictResponse:
+        check_len("name", request.name, MAX_PATH_CHARS)
+        return pb.EvictResponse(model=model_pb(self.cache.evict(request.name, request.force)))
+
+    @_unary
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: Context
+    ) -> pb.GetServerInfoResponse:
+        return server_info_pb(self.cache.server_info())
+
+
+def _preload_response(entry: Entry) -> pb.PreloadResponse:
+    return pb.PreloadResponse(
+        model=entry.name, state=model_state_pb(entry.state), progress=progress_pb(entry.progress())
+    )

@@ -1,0 +1,611 @@
+"""Every conversion between domain objects and the ``weightcache.v1`` protobuf messages.
+
+The SDK, the CLI and the daemon convert here and nowhere else: ``*_pb`` builds a message
+from a domain object, ``*_from_pb`` reads one back (the two round-trip to an equal value).
+The checks a request must pass before it means anything (string lengths, digest format,
+list sizes) run while decoding and raise :class:`InvalidArgumentError` with
+``metadata["field"]`` naming the field. Errors cross the wire as a gRPC status carrying one
+``google.rpc.ErrorInfo`` (AIP-193): :func:`to_grpc_status` and :func:`from_rpc_error`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2, timestamp_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from weightcache.core.errors import (
+    DAEMON_ERRORS,
+    ERROR_DOMAIN,
+    DaemonUnavailableError,
+    HandleError,
+    InvalidArgumentError,
+    RemoteError,
+    WeightCacheError,
+    error_for_reason,
+)
+from weightcache.core.fingerprint import Fingerprint, Level
+from weightcache.core.plugins import PluginStep
+from weightcache.core.recipe import Placement, Recipe, parse_dtype
+from weightcache.core.records import (
+    Acquisition,
+    CudaIpcHandle,
+    Environment,
+    Grant,
+    LeaseInfo,
+    LeaseState,
+    LeaseStatus,
+    LoadProgress,
+    ModelInfo,
+    ModelState,
+    ServerInfo,
+    SharedMemoryHandle,
+    StorageHandle,
+    TensorView,
+)
+from weightcache.core.tp import TPPlan, over_bounds
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+#: Bounds on request fields: a request names ids, paths and a fingerprint, never data.
+MAX_ID_CHARS = 128
+MAX_PATH_CHARS = 4096
+MAX_COMPONENTS = 10_000
+MAX_LEASES_PER_REQUEST = 4096
+MAX_RECIPE_ITEMS = 256
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def check_len(field_name: str, value: str, limit: int) -> str:
+    """``value``, if it is at most ``limit`` characters.
+
+    Raises:
+        InvalidArgumentError: it is longer (``metadata["field"]`` is ``field_name``).
+    """
+    if len(value) > limit:
+        raise InvalidArgumentError(
+            f"{field_name} is {len(value)} characters, over the limit of {limit}",
+            metadata={"field": field_name},
+        )
+    return value
+
+
+# -- times ------------------------------------------------------------------------------
+
+
+def timestamp_pb(seconds: float) -> timestamp_pb2.Timestamp:
+    """Epoch seconds as a Timestamp (nanosecond resolution)."""
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def timestamp_from_pb(ts: timestamp_pb2.Timestamp) -> float:
+    """A Timestamp as epoch seconds."""
+    return ts.ToNanoseconds() / 1e9
+
+
+def duration_pb(seconds: float) -> duration_pb2.Duration:
+    """Seconds as a Duration (nanosecond resolution)."""
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def duration_from_pb(d: duration_pb2.Duration) -> float:
+    """A Duration as seconds."""
+    return d.ToNanoseconds() / 1e9
+
+
+# -- fingerprints -----------------------------------------------------------------------
+
+_LEVEL_TO_PB = {
+    "layout": pb.FINGERPRINT_LEVEL_LAYOUT,
+    "sampled": pb.FINGERPRINT_LEVEL_SAMPLED,
+    "full": pb.FINGERPRINT_LEVEL_FULL,
+}
+_LEVEL_FROM_PB: dict[int, Level] = {
+    pb.FINGERPRINT_LEVEL_UNSPECIFIED: "sampled",
+    pb.FINGERPRINT_LEVEL_LAYOUT: "layout",
+    pb.FINGERPRINT_LEVEL_SAMPLED: "sampled",
+    pb.FINGERPRINT_LEVEL_FULL: "full",
+}
+
+
+def level_pb(level: Level) -> pb.FingerprintLevel:
+    """A content level as its wire enum value."""
+    return _LEVEL_TO_PB[level]
+
+
+def level_from_pb(value: int) -> Level:
+    """The level a wire enum value names (unspecified: ``sampled``).
+
+    Raises:
+        InvalidArgumentError: the value names no level (``field=fingerprint_level``).
+    """
+    level = _LEVEL_FROM_PB.get(value)
+    if level is None:
+        raise InvalidArgumentError(
+            "unsupported fingerprint_level", metadata={"field": "fingerprint_level"}
+        )
+    return level
+
+
+def fingerprint_pb(fp: Fingerprint) -> pb.Fingerprint:
+    """A fingerprint as its wire message."""
+    return pb.Fingerprint(
+        digest=fp.digest,
+        level=_LEVEL_TO_PB[fp.level],
+        components=[pb.FingerprintComponent(name=n, digest=d) for n, d in fp.components.items()],
+    )
+
+
+def fingerprint_from_pb(message: pb.Fingerprint) -> Fingerprint:
+    """A wire fingerprint as a :class:`Fingerprint` (components sorted by name).
+
+    The level only describes how the digest was made, so a level this side does not know
+    reads as the default ``sampled`` rather than refusing a digest that may match.
+
+    Raises:
+        InvalidArgumentError: the digest is not 64 lowercase hex characters
+            (``field=fingerprint.digest``), or there are more than
+            :data:`MAX_COMPONENTS` components (``field=fingerprint.components``).
+    """
+    digest = message.digest
+    if len(digest) != 64 or not _HEX.issuperset(digest):
+        raise InvalidArgumentError(
+            "fingerprint.digest must be 64 lowercase hex characters",
+            metadata={"field": "fingerprint.digest"},
+        )
+    if len(message.components) > MAX_COMPONENTS:
+        raise InvalidArgumentError(
+            f"more than {MAX_COMPONENTS} fingerprint components",
+            metadata={"field": "fingerprint.components"},
+        )
+    components = {c.name: c.digest for c in message.components}
+    return Fingerprint(
+        digest=digest,
+        level=_LEVEL_FROM_PB.get(message.level, "sampled"),
+        components=dict(sorted(components.items())),
+    )
+
+
+# -- recipes and placements -------------------------------------------------------------
+
+
+def recipe_pb(recipe: Recipe) -> pb.Recipe:
+    """A recipe as its wire message (no dtype: empty; no plan: no rules)."""
+    rules = recipe.tp_plan.rules if recipe.tp_plan is not None else ()
+    return pb.Recipe(
+        dtype=recipe.dtype or "",
+        plugins=[pb.RecipePlugin(name=s.name, params=dict(s.params)) for s in recipe.plugins],
+        tp_rules=[pb.TensorParallelRule(pattern=p, style=s) for p, s in rules],
+    )
+
+
+def recipe_from_pb(message: pb.Recipe, admit: Callable[[str], None] | None = None) -> Recipe:
+    """A wire recipe as a :class:`Recipe`; an empty dtype or rule list means none.
+
+    Args:
+        admit: called with each plugin name before anything is built; raises to refuse
+            it (the daemon's ``--allow-recipe`` list).
+
+    Raises:
+        InvalidArgumentError: over :data:`MAX_RECIPE_ITEMS` plugins
+            (``field=recipe.plugins``), or rules over the plan bounds of
+            :func:`weightcache.core.tp.over_bounds` (``field=recipe.tp_rules``).
+        RecipeError: an unsupported dtype or tensor-parallel style.
+        Exception: whatever ``admit`` raises.
+    """
+    if len(message.plugins) > MAX_RECIPE_ITEMS:
+        raise InvalidArgumentError(
+            f"over {MAX_RECIPE_ITEMS} plugins", metadata={"field": "recipe.plugins"}
+        )
+    # Bounded before anything is compiled: matching a large plan costs daemon CPU.
+    too_large = over_bounds(rule.pattern for rule in message.tp_rules)
+    if too_large is not None:
+        raise InvalidArgumentError(
+            f"recipe.tp_rules: {too_large}", metadata={"field": "recipe.tp_rules"}
+        )
+    steps = []
+    for plugin in message.plugins:
+        if admit is not None:
+            admit(plugin.name)
+        steps.append(PluginStep(plugin.name, tuple(sorted(plugin.params.items()))))
+    rules = tuple((r.pattern, r.style) for r in message.tp_rules)
+    return Recipe(
+        dtype=parse_dtype(message.dtype or None),
+        tp_plan=TPPlan(rules) if rules else None,
+        plugins=tuple(steps),
+    )
+
+
+def placement_pb(placement: Placement) -> pb.Placement:
+    """A placement as its wire message."""
+    return pb.Placement(tp_rank=placement.tp_rank, tp_size=placement.tp_size)
+
+
+def placement_from_pb(message: pb.Placement) -> Placement:
+    """A wire placement (``tp_size`` 0: 1) as a :class:`Placement`.
+
+    Raises:
+        RecipeError: the rank is outside ``[0, tp_size)``, or ``tp_size`` is negative.
+    """
+    return Placement(message.tp_rank, message.tp_size or 1)
+
+
+# -- models -----------------------------------------------------------------------------
+
+_STATE_TO_PB: dict[ModelState, pb.ModelState] = {
+    "loading": pb.MODEL_STATE_LOADING,
+    "ready": pb.MODEL_STATE_READY,
+    "failed": pb.MODEL_STATE_FAILED,
+    "evicting": pb.MODEL_STATE_EVICTING,
+}
+_STATE_FROM_PB = {value: state for state, value in _STATE_TO_PB.items()}
+
+
+def model_state_pb(state: ModelState) -> pb.ModelState:
+    """A model state as its wire enum value."""
+    return _STATE_TO_PB[state]
+
+
+def progress_pb(progress: LoadProgress) -> pb.LoadProgress:
+    """Load progress as its wire message."""
+    return pb.LoadProgress(
+        bytes_done=progress.bytes_done,
+        bytes_total=progress.bytes_total,
+        tensors_done=progress.tensors_done,
+        tensors_total=progress.tensors_total,
+    )
+
+
+def progress_from_pb(message: pb.LoadProgress) -> LoadProgress:
+    """Wire load progress as a :class:`LoadProgress`."""
+    return LoadProgress(
+        message.bytes_done, message.bytes_total, message.tensors_done, message.tensors_total
+    )
+
+
+def model_pb(model: ModelInfo) -> pb.Model:
+    """A model snapshot as its wire message (``load_duration`` set only when known)."""
+    message = pb.Model(
+        name=model.name,
+        state=_STATE_TO_PB[model.state],
+        fingerprint=fingerprint_pb(model.fingerprint),
+        path=model.path,
+        recipe=recipe_pb(model.recipe),
+        placement=placement_pb(model.placement),
+        size_bytes=model.size_bytes,
+        tensor_count=model.tensor_count,
+        lease_count=model.lease_count,
+        create_time=timestamp_pb(model.create_time),
+        error=model.error,
+        progress=progress_pb(model.progress),
+        metadata=model.metadata,
+    )
+    if model.load_seconds is not None:
+        message.load_duration.CopyFrom(duration_pb(model.load_seconds))
+    return message
+
+
+def model_from_pb(message: pb.Model) -> ModelInfo:
+    """A wire model as a :class:`ModelInfo`.
+
+    Raises:
+        InvalidArgumentError: the state is unspecified or unknown (``field=model.state``),
+            or the fingerprint is malformed (:func:`fingerprint_from_pb`).
+        RecipeError: the recipe or placement is invalid.
+    """
+    state = _STATE_FROM_PB.get(message.state)
+    if state is None:
+        raise InvalidArgumentError(
+            f"unknown model state {message.state}", metadata={"field": "model.state"}
+        )
+    return ModelInfo(
+        name=message.name,
+        state=state,
+        fingerprint=fingerprint_from_pb(message.fingerprint),
+        path=message.path,
+        recipe=recipe_from_pb(message.recipe),
+        placement=placement_from_pb(message.placement),
+        size_bytes=message.size_bytes,
+        tensor_count=message.tensor_count,
+        lease_count=message.lease_count,
+        create_time=timestamp_from_pb(message.create_time),
+        progress=progress_from_pb(message.progress),
+        error=message.error,
+        load_seconds=(
+            duration_from_pb(message.load_duration) if message.HasField("load_duration") else None
+        ),
+        metadata=dict(message.metadata),
+    )
+
+
+# -- leases -----------------------------------------------------------------------------
+
+
+def lease_pb(lease: LeaseInfo) -> pb.Lease:
+    """A granted lease as its wire message."""
+    return pb.Lease(
+        lease_id=lease.lease_id,
+        model=lease.model,
+        ttl=duration_pb(lease.ttl),
+        expire_time=timestamp_pb(lease.expire_time),
+        instance_id=lease.instance_id,
+    )
+
+
+def lease_from_pb(message: pb.Lease) -> LeaseInfo:
+    """A wire lease as a :class:`LeaseInfo`."""
+    return LeaseInfo(
+        lease_id=message.lease_id,
+        model=message.model,
+        ttl=duration_from_pb(message.ttl),
+        expire_time=timestamp_from_pb(message.expire_time),
+        instance_id=message.instance_id,
+    )
+
+
+_LEASE_STATE_TO_PB: dict[LeaseState, pb.LeaseState] = {
+    "active": pb.LEASE_STATE_ACTIVE,
+    "revoking": pb.LEASE_STATE_REVOKING,
+    "not_found": pb.LEASE_STATE_NOT_FOUND,
+}
+_LEASE_STATE_FROM_PB = {value: state for state, value in _LEASE_STATE_TO_PB.items()}
+
+
+def lease_status_pb(status: LeaseStatus) -> pb.LeaseStatus:
+    """One lease's KeepAlive status as its wire message."""
+    message = pb.LeaseStatus(lease_id=status.lease_id, state=_LEASE_STATE_TO_PB[status.state])
+    if status.expire_time is not None:
+        message.expire_time.CopyFrom(timestamp_pb(status.expire_time))
+    if status.revoke_deadline is not None:
+        message.revoke_deadline.CopyFrom(timestamp_pb(status.revoke_deadline))
+    return message
+
+
+def lease_status_from_pb(message: pb.LeaseStatus) -> LeaseStatus:
+    """A wire lease status as a :class:`LeaseStatus` (an unknown state reads ``not_found``:
+    the lease cannot be counted on)."""
+    return LeaseStatus(
+        lease_id=message.lease_id,
+        state=_LEASE_STATE_FROM_PB.get(message.state, "not_found"),
+        expire_time=(
+            timestamp_from_pb(message.expire_time) if message.HasField("expire_time") else None
+        ),
+        revoke_deadline=(
+            timestamp_from_pb(message.revoke_deadline)
+            if message.HasField("revoke_deadline")
+            else None
+        ),
+    )
+
+
+def keepalive_response_pb(
+    instance_id: str, statuses: Iterable[LeaseStatus]
+) -> pb.KeepAliveResponse:
+    """A KeepAlive answer of daemon ``instance_id`` about some leases."""
+    return pb.KeepAliveResponse(
+        instance_id=instance_id, leases=[lease_status_pb(s) for s in statuses]
+    )
+
+
+# -- arenas -----------------------------------------------------------------------------
+
+
+def tensor_view_pb(view: TensorView) -> pb.TensorView:
+    """A tensor view as its wire message."""
+    return pb.TensorView(
+        name=view.name,
+        dtype=view.dtype,
+        shape=list(view.shape),
+        stride=list(view.stride),
+        byte_offset=view.byte_offset,
+    )
+
+
+def tensor_view_from_pb(message: pb.TensorView) -> TensorView:
+    """A wire tensor view as a :class:`TensorView` (checked against the arena when used)."""
+    return TensorView(
+        name=message.name,
+        dtype=message.dtype,
+        shape=tuple(message.shape),
+        stride=tuple(message.stride),
+        byte_offset=message.byte_offset,
+    )
+
+
+def storage_pb(handle: StorageHandle) -> pb.StorageHandle:
+    """An arena handle as its wire message."""
+    if isinstance(handle, SharedMemoryHandle):
+        return pb.StorageHandle(
+            shared_memory=pb.SharedMemoryHandle(path=handle.path, size=handle.size)
+        )
+    return pb.StorageHandle(
+        cuda_ipc=pb.CudaIpcHandle(
+            device_uuid=handle.device_uuid, ipc_handle=handle.ipc_handle, size=handle.size
+        )
+    )
+
+
+def storage_from_pb(message: pb.StorageHandle) -> StorageHandle:
+    """A wire arena handle as a :class:`SharedMemoryHandle` or :class:`CudaIpcHandle`.
+
+    Raises:
+        HandleError: the handle is of a kind this side does not know (or none).
+    """
+    kind = message.WhichOneof("handle")
+    if kind == "shared_memory":
+        return SharedMemoryHandle(message.shared_memory.path, message.shared_memory.size)
+    if kind == "cuda_ipc":
+        ipc = message.cuda_ipc
+        return CudaIpcHandle(ipc.device_uuid, ipc.ipc_handle, ipc.size)
+    raise HandleError(f"the daemon offers a handle this client does not know: {kind}")
+
+
+# -- acquiring --------------------------------------------------------------------------
+
+
+def environment_pb(env: Environment) -> pb.Environment:
+    """An environment stamp as its wire message."""
+    return pb.Environment(
+        weightcache_version=env.weightcache_version,
+        torch_version=env.torch_version,
+        backend=env.backend,
+        device_uuid=env.device_uuid,
+    )
+
+
+def environment_from_pb(message: pb.Environment) -> Environment:
+    """A wire environment stamp as an :class:`Environment`."""
+    return Environment(
+        message.weightcache_version, message.torch_version, message.backend, message.device_uuid
+    )
+
+
+def acquire_request_pb(acquisition: Acquisition) -> pb.AcquireRequest:
+    """An Acquire as its request message (no ttl: the daemon's default)."""
+    request = pb.AcquireRequest(
+        request_id=acquisition.request_id,
+        fingerprint=fingerprint_pb(acquisition.fingerprint),
+        checkpoint_path=acquisition.checkpoint_path,
+        environment=environment_pb(acquisition.environment),
+        pid=acquisition.pid,
+    )
+    if acquisition.ttl is not None:
+        request.ttl.CopyFrom(duration_pb(acquisition.ttl))
+    return request
+
+
+def acquisition_from_pb(request: pb.AcquireRequest) -> Acquisition:
+    """An Acquire request as an :class:`Acquisition`, checked in field order.
+
+    Raises:
+        InvalidArgumentError: ``request_id`` over :data:`MAX_ID_CHARS` or
+            ``checkpoint_path`` over :data:`MAX_PATH_CHARS` characters, a malformed
+            fingerprint (:func:`fingerprint_from_pb`), or a negative ``ttl``; ``field``
+            names which.
+    """
+    check_len("request_id", request.request_id, MAX_ID_CHARS)
+    check_len("checkpoint_path", request.checkpoint_path, MAX_PATH_CHARS)
+    fingerprint = fingerprint_from_pb(request.fingerprint)
+    ttl = duration_from_pb(request.ttl) if request.HasField("ttl") else None
+    if ttl is not None and ttl < 0:
+        raise InvalidArgumentError("ttl must not be negative", metadata={"field": "ttl"})
+    return Acquisition(
+        request_id=request.request_id,
+        fingerprint=fingerprint,
+        checkpoint_path=request.checkpoint_path,
+        ttl=ttl,
+        environment=environment_from_pb(request.environment),
+        pid=request.pid,
+    )
+
+
+def acquire_response_pb(grant: Grant) -> pb.AcquireResponse:
+    """A granted Acquire as its response message."""
+    return pb.AcquireResponse(
+        lease=lease_pb(grant.lease),
+        model=model_pb(grant.model),
+        storage=storage_pb(grant.storage),
+        tensors=[tensor_view_pb(v) for v in grant.tensors],
+        environment=environment_pb(grant.environment),
+    )
+
+
+def grant_from_pb(response: pb.AcquireResponse) -> Grant:
+    """An Acquire response as a :class:`Grant`.
+
+    Raises:
+        HandleError: the storage handle is of an unknown kind.
+        InvalidArgumentError: the model is malformed (:func:`model_from_pb`).
+        RecipeError: the model's recipe or placement is invalid.
+    """
+    return Grant(
+        lease=lease_from_pb(response.lease),
+        model=model_from_pb(response.model),
+        storage=storage_from_pb(response.storage),
+        tensors=tuple(tensor_view_from_pb(v) for v in response.tensors),
+        environment=environment_from_pb(response.environment),
+    )
+
+
+# -- server info ------------------------------------------------------------------------
+
+
+def server_info_pb(info: ServerInfo) -> pb.GetServerInfoResponse:
+    """A daemon's info as the GetServerInfo response."""
+    return pb.GetServerInfoResponse(
+        version=info.version,
+        protocol_version=info.protocol_version,
+        torch_version=info.torch_version,
+        backend=info.backend,
+        device=info.device,
+        device_uuid=info.device_uuid,
+        memory_held_bytes=info.memory_held_bytes,
+        memory_budget_bytes=info.memory_budget_bytes,
+        instance_id=info.instance_id,
+        start_time=timestamp_pb(info.start_time),
+    )
+
+
+def server_info_from_pb(message: pb.GetServerInfoResponse) -> ServerInfo:
+    """A GetServerInfo response as a :class:`ServerInfo`."""
+    return ServerInfo(
+        version=message.version,
+        protocol_version=message.protocol_version,
+        torch_version=message.torch_version,
+        backend=message.backend,
+        device=message.device,
+        device_uuid=message.device_uuid,
+        memory_held_bytes=message.memory_held_bytes,
+        memory_budget_bytes=message.memory_budget_bytes,
+        instance_id=message.instance_id,
+        start_time=timestamp_from_pb(message.start_time),
+    )
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+def to_grpc_status(error: WeightCacheError) -> grpc.Status:
+    """The gRPC status (code, message, trailer) for an error.
+
+    The code is the ``status_code`` of the class that :data:`DAEMON_ERRORS` names for the
+    error's reason; any other reason is sent as INTERNAL. The trailer carries one
+    ``google.rpc.ErrorInfo`` (domain ``weightcache.v1``, the reason, string metadata).
+    """
+    cls = DAEMON_ERRORS.get(error.reason, WeightCacheError)
+    info = error_details_pb2.ErrorInfo(
+        reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata
+    )
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(
+        code=code_pb2.Code.Value(cls.status_code), message=error.detail, details=[detail]
+    )
+    return rpc_status.to_status(status)
+
+
+def from_rpc_error(exc: grpc.RpcError) -> WeightCacheError:
+    """The exception a gRPC error stands for.
+
+    A status with an ErrorInfo gives the class of its reason (:func:`error_for_reason`);
+    UNAVAILABLE or DEADLINE_EXCEEDED without one gives :class:`DaemonUnavailableError`;
+    anything else a :class:`RemoteError` named after its code.
+    """
+    status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
+    if status is not None:
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info):
+                return error_for_reason(info.reason, status.message, info.metadata)
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    text = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
+        return DaemonUnavailableError(f"daemon unavailable: {text}")
+    return RemoteError(f"{code}: {text}", reason=str(code.name if code else "UNKNOWN"))

@@ -1,0 +1,168 @@
+"""What the daemon reports about itself, its models and leases, as plain values.
+
+These are the domain side of the wire messages that are not already a domain object
+elsewhere (``Fingerprint``, ``Recipe``, ``Placement``): the daemon builds them, the SDK and
+the CLI read them, and :mod:`weightcache.core.protocol` alone turns them into protobuf
+messages and back. Times are wall-clock seconds since the Unix epoch; durations seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.recipe import Placement, Recipe
+
+#: Lifecycle of a model in the daemon (the wire's ``ModelState``).
+ModelState = Literal["loading", "ready", "failed", "evicting"]
+#: What a KeepAlive says of one lease (the wire's ``LeaseState``).
+LeaseState = Literal["active", "revoking", "not_found"]
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """How far a load has come: bytes and tensors written into the arena of their totals."""
+
+    bytes_done: int = 0
+    bytes_total: int = 0
+    tensors_done: int = 0
+    tensors_total: int = 0
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """One tensor of an arena: safetensors ``dtype``, ``shape`` and ``stride`` in elements,
+    ``byte_offset`` from the arena's start in bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    byte_offset: int
+
+
+@dataclass(frozen=True)
+class SharedMemoryHandle:
+    """A CPU arena: a file under ``/dev/shm`` of ``size`` bytes."""
+
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """A GPU arena: the 64-byte ``cudaIpcMemHandle_t`` of ``size`` bytes on the device
+    with UUID ``device_uuid``."""
+
+    device_uuid: str
+    ipc_handle: bytes
+    size: int
+
+
+#: Where a model's arena lives, as a worker opens it.
+StorageHandle = SharedMemoryHandle | CudaIpcHandle
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Versions a side runs with (kept out of the fingerprint; reported to explain a miss).
+
+    ``backend`` and ``device_uuid`` are empty when a worker sends it.
+    """
+
+    weightcache_version: str = ""
+    torch_version: str = ""
+    backend: str = ""
+    device_uuid: str = ""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A snapshot of one model the daemon holds or loads.
+
+    Attributes:
+        recipe: the recipe as resolved for the model (its plan and plugins as applied).
+        size_bytes: arena size in bytes.
+        create_time: when the load was registered (epoch seconds).
+        load_seconds: how long the load took; None unless ``state`` is ``ready``.
+        error: why the load failed; empty otherwise.
+    """
+
+    name: str
+    state: ModelState
+    fingerprint: Fingerprint
+    path: str
+    recipe: Recipe
+    placement: Placement
+    size_bytes: int
+    tensor_count: int
+    lease_count: int
+    create_time: float
+    progress: LoadProgress
+    error: str = ""
+    load_seconds: float | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A lease as granted: ``ttl`` seconds, ending at ``expire_time`` (epoch seconds)
+    unless renewed; ``instance_id`` names the daemon process that granted it."""
+
+    lease_id: str
+    model: str
+    ttl: float
+    expire_time: float
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class LeaseStatus:
+    """One lease's state in a KeepAlive answer; times are epoch seconds, None when the
+    state has none (``not_found``; ``revoke_deadline`` unless ``revoking``)."""
+
+    lease_id: str
+    state: LeaseState
+    expire_time: float | None = None
+    revoke_deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class Acquisition:
+    """What a worker asks for in an Acquire: the lease's ``ttl`` in seconds (None: the
+    daemon's default), and ``request_id`` for idempotent retries."""
+
+    request_id: str
+    fingerprint: Fingerprint
+    checkpoint_path: str
+    ttl: float | None
+    environment: Environment
+    pid: int
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What an Acquire returns: the lease, the model, its arena and tensors in it."""
+
+    lease: LeaseInfo
+    model: ModelInfo
+    storage: StorageHandle
+    tensors: tuple[TensorView, ...]
+    environment: Environment
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """A daemon's versions, backend and memory (bytes; ``memory_budget_bytes`` 0: none)."""
+
+    version: str
+    protocol_version: str
+    torch_version: str
+    backend: str
+    device: str
+    device_uuid: str
+    memory_held_bytes: int
+    memory_budget_bytes: int
+    instance_id: str
+    start_time: float

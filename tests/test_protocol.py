@@ -1,0 +1,231 @@
+"""weightcache.core.protocol: each domain object survives encoding and decoding unchanged,
+and requests are refused while decoding with the field named."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import Checkpoints
+from weightcache.core.checkpoint import open_checkpoint
+from weightcache.core.errors import HandleError, InvalidArgumentError
+from weightcache.core.fingerprint import Fingerprint, compute_fingerprint
+from weightcache.core.plugins import PluginStep
+from weightcache.core.protocol import (
+    MAX_COMPONENTS,
+    acquire_request_pb,
+    acquire_response_pb,
+    acquisition_from_pb,
+    duration_from_pb,
+    duration_pb,
+    fingerprint_from_pb,
+    fingerprint_pb,
+    grant_from_pb,
+    lease_from_pb,
+    lease_pb,
+    lease_status_from_pb,
+    lease_status_pb,
+    level_from_pb,
+    level_pb,
+    model_from_pb,
+    model_pb,
+    placement_from_pb,
+    placement_pb,
+    progress_from_pb,
+    progress_pb,
+    recipe_from_pb,
+    recipe_pb,
+    server_info_from_pb,
+    server_info_pb,
+    storage_from_pb,
+    storage_pb,
+    tensor_view_from_pb,
+    tensor_view_pb,
+    timestamp_from_pb,
+    timestamp_pb,
+)
+from weightcache.core.recipe import Placement, Recipe
+from weightcache.core.records import (
+    Acquisition,
+    CudaIpcHandle,
+    Environment,
+    Grant,
+    LeaseInfo,
+    LeaseStatus,
+    LoadProgress,
+    ModelInfo,
+    ModelState,
+    ServerInfo,
+    SharedMemoryHandle,
+)
+from weightcache.core.tp import TPPlan
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.arena import plan_slots
+
+STATES: tuple[ModelState, ...] = ("loading", "ready", "failed", "evicting")
+#: Epoch seconds and durations that a nanosecond count holds exactly.
+WHEN = 1_764_547_200.125
+PLACEMENT = Placement(tp_rank=1, tp_size=2)
+RECIPE = Recipe(
+    dtype="BF16",
+    tp_plan=TPPlan((("layers.*.attn", "colwise"), ("layers.*.mlp", "rowwise"))),
+    plugins=(PluginStep("fuse_qkv", (("a", "1"), ("b", "x=y"))), PluginStep("noop")),
+)
+
+
+@pytest.fixture(scope="module")
+def fingerprint(checkpoints: Checkpoints) -> Fingerprint:
+    with open_checkpoint(str(checkpoints.sharded)) as checkpoint:
+        return compute_fingerprint(checkpoint, Recipe(dtype="F32"), Placement(), "full")
+
+
+def _model(fp: Fingerprint, state: ModelState = "ready") -> ModelInfo:
+    return ModelInfo(
+        name="sharded-tp1of2-bf16",
+        state=state,
+        fingerprint=fp,
+        path="/models/sharded",
+        recipe=RECIPE,
+        placement=PLACEMENT,
+        size_bytes=1 << 20,
+        tensor_count=9,
+        lease_count=2,
+        create_time=WHEN,
+        progress=LoadProgress(1000, 1024, 8, 9),
+        error="",
+        load_seconds=3.125 if state == "ready" else None,
+        metadata={"format": "pt"},
+    )
+
+
+def test_times_round_trip() -> None:
+    assert timestamp_from_pb(timestamp_pb(WHEN)) == WHEN
+    assert duration_from_pb(duration_pb(30.0)) == 30.0
+
+
+def test_fingerprint_round_trips(fingerprint: Fingerprint) -> None:
+    for level in ("layout", "sampled", "full"):
+        assert level_from_pb(level_pb(level)) == level
+    assert level_from_pb(pb.FINGERPRINT_LEVEL_UNSPECIFIED) == "sampled"
+
+    decoded = fingerprint_from_pb(fingerprint_pb(fingerprint))
+
+    assert decoded == fingerprint
+    assert decoded.differing(fingerprint) == []
+    assert list(decoded.components) == sorted(fingerprint.components)
+
+
+def test_recipe_and_placement_round_trip() -> None:
+    assert recipe_from_pb(recipe_pb(RECIPE)) == RECIPE
+    assert recipe_from_pb(recipe_pb(Recipe())) == Recipe()
+    assert placement_from_pb(placement_pb(PLACEMENT)) == PLACEMENT
+    assert placement_from_pb(pb.Placement()) == Placement(0, 1)
+
+
+def test_a_model_reports_the_recipe_as_resolved(checkpoints: Checkpoints) -> None:
+    with open_checkpoint(str(checkpoints.single)) as checkpoint:
+        pipeline = Recipe(dtype="BF16").build(checkpoint, Placement())
+
+    resolved = pipeline.resolved()
+
+    assert resolved == Recipe(dtype="BF16")
+    assert recipe_pb(resolved) == pb.Recipe(dtype="BF16")
+
+
+def test_models_round_trip(fingerprint: Fingerprint) -> None:
+    for state in STATES:
+        model = _model(fingerprint, state)
+        assert model_from_pb(model_pb(model)) == model
+    assert not model_pb(_model(fingerprint, "loading")).HasField("load_duration")
+    progress = LoadProgress(5, 10, 1, 2)
+    assert progress_from_pb(progress_pb(progress)) == progress
+
+
+def test_leases_round_trip() -> None:
+    lease = LeaseInfo("ab" * 16, "single", 30.0, WHEN, "cd" * 16)
+    statuses = [
+        LeaseStatus("l1", "active", expire_time=WHEN),
+        LeaseStatus("l2", "revoking", expire_time=WHEN, revoke_deadline=WHEN + 30.0),
+        LeaseStatus("l3", "not_found"),
+    ]
+
+    assert lease_from_pb(lease_pb(lease)) == lease
+    assert [lease_status_from_pb(lease_status_pb(s)) for s in statuses] == statuses
+    assert lease_status_pb(statuses[2]).state == pb.LEASE_STATE_NOT_FOUND
+
+
+def test_arena_handles_and_views_round_trip() -> None:
+    slots, _ = plan_slots([("w", "BF16", (4, 3, 2)), ("b", "F32", (5,)), ("s", "I64", ())])
+    views = [slot.view() for slot in slots]
+    shm = SharedMemoryHandle("/dev/shm/weightcache-x", 4096)
+    cuda = CudaIpcHandle("GPU-00000000-1111-2222-3333-444444444444", bytes(range(64)), 8192)
+
+    assert [tensor_view_from_pb(tensor_view_pb(v)) for v in views] == views
+    assert views[0].stride == (6, 2, 1)
+    assert storage_from_pb(storage_pb(shm)) == shm
+    assert storage_from_pb(storage_pb(cuda)) == cuda
+    with pytest.raises(HandleError):
+        storage_from_pb(pb.StorageHandle())
+
+
+def test_acquire_round_trips(fingerprint: Fingerprint) -> None:
+    want = Acquisition(
+        "req-1", fingerprint, "/models/sharded", 12.5, Environment("1.0", "2.5"), 4242
+    )
+    slots, size = plan_slots([("w", "F32", (2, 2))])
+    grant = Grant(
+        lease=LeaseInfo("l1", "sharded", 12.5, WHEN, "i1"),
+        model=_model(fingerprint),
+        storage=SharedMemoryHandle("/dev/shm/weightcache-y", size),
+        tensors=tuple(slot.view() for slot in slots),
+        environment=Environment("1.0", "2.5", "cpu_shm", ""),
+    )
+
+    assert acquisition_from_pb(acquire_request_pb(want)) == want
+    no_ttl = Acquisition("", fingerprint, "", None, Environment(), 0)
+    assert acquisition_from_pb(acquire_request_pb(no_ttl)) == no_ttl
+    assert grant_from_pb(acquire_response_pb(grant)) == grant
+
+
+def test_server_info_round_trips() -> None:
+    info = ServerInfo(
+        "1.0", "weightcache.v1", "2.5", "cuda_ipc", "cuda:0", "GPU-1", 1 << 30, 0, "i1", WHEN
+    )
+
+    assert server_info_from_pb(server_info_pb(info)) == info
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (pb.AcquireRequest(request_id="r" * 129, fingerprint=pb.Fingerprint()), "request_id"),
+        (pb.AcquireRequest(checkpoint_path="p" * 4097), "checkpoint_path"),
+        (pb.AcquireRequest(fingerprint=pb.Fingerprint(digest="A" * 64)), "fingerprint.digest"),
+        (
+            pb.AcquireRequest(
+                fingerprint=pb.Fingerprint(
+                    digest="a" * 64,
+                    components=[pb.FingerprintComponent()] * (MAX_COMPONENTS + 1),
+                )
+            ),
+            "fingerprint.components",
+        ),
+        (
+            pb.AcquireRequest(fingerprint=pb.Fingerprint(digest="a" * 64), ttl=duration_pb(-1.0)),
+            "ttl",
+        ),
+    ],
+)
+def test_acquire_requests_are_checked_while_decoding(
+    request_: pb.AcquireRequest, field: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        acquisition_from_pb(request_)
+
+    assert (caught.value.reason, caught.value.metadata) == ("INVALID_ARGUMENT", {"field": field})
+
+
+def test_an_unknown_level_is_refused_with_its_field() -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        level_from_pb(99)
+
+    assert caught.value.metadata == {"field": "fingerprint_level"}
