@@ -118,8 +118,10 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
         getattr(weightcache, name)
 
 
-def test_import_does_not_import_torch() -> None:
-    code = "import sys, weightcache; print('torch' in sys.modules)"
+@pytest.mark.parametrize("module", ["weightcache", "weightcache_service.cli"])
+def test_import_does_not_import_torch(module: str) -> None:
+    """Neither the SDK's namespace nor the command (whose probes run often) imports torch."""
+    code = f"import sys, {module}; print('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
@@ -258,7 +260,7 @@ def test_load_options_defaults_are_loads_defaults() -> None:
         "fingerprint_level": "sampled",
         "tp_rank": 0,
         "tp_size": 1,
-        "ttl": 10.0,
+        "ttl": None,
         "wait_timeout": 30.0,
         "lease_policy": None,
         "on_lease_lost": None,

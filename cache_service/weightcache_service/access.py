@@ -198,10 +198,15 @@ def peer_address(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | N
         return None
 
 
+def peer_is_unix(peer: str) -> bool:
+    """Whether a gRPC peer string (``context.peer()``) names a Unix-socket client."""
+    return peer.startswith(("unix:", "unix-abstract:"))
+
+
 def peer_is_local(peer: str) -> bool:
     """Whether a gRPC peer (see :func:`peer_address`) is on this host: a Unix socket or a
     loopback address."""
-    if peer.startswith(("unix:", "unix-abstract:")):
+    if peer_is_unix(peer):
         return True
     ip = peer_address(peer)
     return ip is not None and _loopback(ip)

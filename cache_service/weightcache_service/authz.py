@@ -28,6 +28,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from weightcache.core.errors import PermissionDeniedError, UnauthenticatedError, WeightCacheError
+from weightcache_service.access import peer_is_unix
 from weightcache_service.interceptors import Behaviour, Handler, MethodWrapper, abort, rewrap
 
 Check: TypeAlias = Callable[[Any], Awaitable[None]]
@@ -102,7 +103,7 @@ def refusal(method: str, policy: Policy, peer: str, names: set[str]) -> WeightCa
         ``metadata["method"]`` names the method.
     """
     need = RULES.get(method, Need.AUTHENTICATED)
-    if need is Need.ANYONE or peer.startswith(("unix:", "unix-abstract:")):
+    if need is Need.ANYONE or peer_is_unix(peer):
         return None
     certified = policy.mutual_tls and bool(names)
     if certified and (not policy.subjects or names & policy.subjects):

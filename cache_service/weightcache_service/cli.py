@@ -36,6 +36,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightcache.core.errors import RecipeError, WeightCacheError
+from weightcache.core.fingerprint import LEVELS
 from weightcache.core.rpc import call, connect, target
 from weightcache.core.sockets import default_socket
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
 
 #: Health service name of the weight cache (grpc.health.v1).
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
-#: The levels of weightcache.core.fingerprint.LEVELS (tested equal), named here without torch.
-FINGERPRINT_LEVELS = ("layout", "sampled", "full")
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -116,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="plugin a remote Preload may use; repeatable",
     )
-    daemon.add_argument("--fingerprint-level", choices=FINGERPRINT_LEVELS, default="sampled")
+    daemon.add_argument("--fingerprint-level", choices=LEVELS, default="sampled")
     daemon.add_argument("--allow-remote-preload", action="store_true", help="accept Preload RPCs")
     daemon.add_argument(
         "--model-root", action="append", default=[], help="folder remote Preload may read"
@@ -124,9 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=None,
         metavar="SECONDS",
-        help="how long lease holders get after REVOKING (SIGTERM, evict --force)",
+        help="how long lease holders get after REVOKING (SIGTERM, evict --force); default 30",
     )
     daemon.add_argument(
         "--max-memory", default=None, help="arena budget: bytes (8GiB, 500M) or percent (80%%)"
@@ -244,7 +243,7 @@ def _preload(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_format)
     level = args.fingerprint_level
-    if args.drain_timeout < 0:
+    if args.drain_timeout is not None and args.drain_timeout < 0:
         print("weightcache preload: --drain-timeout must not be negative", file=sys.stderr)
         return EXIT_USAGE
     if args.allow_remote_preload and not args.model_root:
@@ -279,7 +278,7 @@ def _preload(args: argparse.Namespace) -> int:
             options=ServiceOptions(
                 allow_remote_preload=args.allow_remote_preload,
                 model_roots=model_roots(args.model_root),
-                drain_timeout=args.drain_timeout,
+                **({} if args.drain_timeout is None else {"drain_timeout": args.drain_timeout}),
                 allowed_plugins=frozenset(args.allow_recipe),
             ),
             budget=MemoryBudget(max_bytes=max_bytes, percent=percent, headroom=headroom or 0),

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
 from weightcache.core.fingerprint import Level
 from weightcache.core.recipe import Placement, Recipe
+from weightcache.core.rpc import MAX_RESPONSE_BYTES
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
@@ -46,8 +47,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
 REAP_INTERVAL = 0.2
 #: Largest request accepted: requests carry ids, paths and a fingerprint, never data.
 MAX_REQUEST_BYTES = 4 * 2**20
-#: Largest response sent: an AcquireResponse of a model with very many tensors.
-MAX_RESPONSE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from weightcache.core.fingerprint import Fingerprint, Level, compute_fingerprint
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.protocol import (
     acquire_request_pb,
-    duration_from_pb,
+    lease_from_pb,
     storage_from_pb,
     tensor_view_from_pb,
 )
@@ -301,7 +301,7 @@ class _Attach:
 
     socket: str
     mode: Mode
-    ttl: float
+    ttl: float | None
     wait_timeout: float
     wait_for_daemon: bool
     policy: Policy | None
@@ -336,7 +336,8 @@ class _Attach:
         reply = _acquire_with_wait(
             self.socket, request, self.wait_timeout, wait_for_daemon=self.wait_for_daemon
         )
-        lease_id = reply.lease.lease_id
+        lease = lease_from_pb(reply.lease)
+        lease_id = lease.lease_id
         try:
             arena = self._map(reply, owner)
         except WeightCacheError:
@@ -356,8 +357,8 @@ class _Attach:
             return weights
         weights.lease = ClientLease(
             lease_id=lease_id,
-            instance_id=reply.lease.instance_id,
-            ttl=duration_from_pb(reply.lease.ttl),
+            instance_id=lease.instance_id,
+            ttl=lease.ttl,
             policy=self.policy or default_policy(arena.base.device.type),
             on_lost=self.on_lost,
             last_ack=time.monotonic(),
@@ -382,6 +383,8 @@ class _Attach:
                 time.sleep(RETRY_INTERVAL)
 
     def _map(self, reply: pb.AcquireResponse, owner: int) -> MappedArena:
+        # Decoded here, inside run()'s release-on-failure: a handle this SDK cannot read
+        # (HandleError) must give the lease back, not leave it to expire.
         storage = storage_from_pb(reply.storage)
         views = [tensor_view_from_pb(view) for view in reply.tensors]
         copy = self.mode == "copy"
@@ -390,7 +393,9 @@ class _Attach:
         return open_shared_memory(storage, views, copy=copy, owner=owner)
 
 
-def _acquire_request(checkpoint: Checkpoint, fp: Fingerprint, ttl: float) -> pb.AcquireRequest:
+def _acquire_request(
+    checkpoint: Checkpoint, fp: Fingerprint, ttl: float | None
+) -> pb.AcquireRequest:
     return acquire_request_pb(
         Acquisition(
             request_id=uuid.uuid4().hex,

@@ -58,7 +58,9 @@ class LoadOptions:
             worker falls back to disk, with ``FINGERPRINT_MISMATCH`` (the detail names the
             daemon's level) for a checkpoint the daemon holds.
         tp_rank, tp_size: tensor-parallel placement; default 0 of 1.
-        ttl: lease TTL requested, in seconds, > 0 (default 10.0; the daemon clamps it).
+        ttl: lease TTL requested, in seconds, > 0; None (default): the daemon's default
+            (``weightcache_service.leases.DEFAULT_TTL``, 10 s). The daemon clamps it; the
+            lease keeps the TTL granted.
         wait_timeout: seconds, >= 0 (default 30.0), to wait for a model the daemon is
             still loading (and, without ``fallback``, for the daemon to come up).
         lease_policy: ``"raise"``, ``"exit"`` or ``"ignore"`` when the lease is lost; None
@@ -89,7 +91,7 @@ class LoadOptions:
     fingerprint_level: Level = "sampled"
     tp_rank: int = 0
     tp_size: int = 1
-    ttl: float = 10.0
+    ttl: float | None = None
     wait_timeout: float = 30.0
     lease_policy: Policy | None = None
     on_lease_lost: LostCallback | None = None
@@ -105,7 +107,7 @@ class LoadOptions:
         parse_device(self.device)  # its UUID is read only when a load needs the socket
         if self.recipe is not None and self.dtype is not None:
             raise ValueError("give dtype inside the recipe, not beside it")
-        if not (math.isfinite(self.ttl) and self.ttl > 0):
+        if self.ttl is not None and not (math.isfinite(self.ttl) and self.ttl > 0):
             raise ValueError(f"ttl must be a finite number of seconds > 0, not {self.ttl!r}")
         if not (math.isfinite(self.wait_timeout) and self.wait_timeout >= 0):
             raise ValueError(
@@ -131,7 +133,7 @@ class LoadKeywords(TypedDict, total=False):
     fingerprint_level: Level
     tp_rank: int
     tp_size: int
-    ttl: float
+    ttl: float | None
     wait_timeout: float
     lease_policy: Policy | None
     on_lease_lost: LostCallback | None

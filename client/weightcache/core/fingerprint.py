@@ -22,11 +22,15 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from weightcache.core.checkpoint import Checkpoint, ShardInfo
 from weightcache.core.hashcache import fd_sha256
-from weightcache.core.recipe import Pipeline, Placement, Recipe
+
+if TYPE_CHECKING:
+    # Imported for annotations only: the levels and the Fingerprint value import no torch,
+    # so the CLI's argument parser can name them.
+    from weightcache.core.checkpoint import Checkpoint, ShardInfo
+    from weightcache.core.recipe import Pipeline, Placement, Recipe
 
 FORMAT = "weightcache.fingerprint/1"
 SAMPLE_BYTES = 64
@@ -78,6 +82,8 @@ def compute_fingerprint(
         InvalidCheckpointError: the checkpoint is closed.
         OSError: a shard cannot be read.
     """
+    from weightcache.core.recipe import Recipe
+
     if isinstance(recipe, Recipe):
         recipe = recipe.build(checkpoint, placement)
     if level not in LEVELS:

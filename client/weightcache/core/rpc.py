@@ -9,11 +9,11 @@ from typing import TypeVar
 import grpc
 
 from weightcache.core.errors import DaemonUnavailableError
-from weightcache.core.protocol import from_rpc_error
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
-#: Largest response accepted: an AcquireResponse of a model with very many tensors.
+#: Largest response, in bytes, the daemon sends and the SDK accepts: an AcquireResponse of
+#: a model with very many tensors.
 MAX_RESPONSE_BYTES = 256 * 2**20
 
 
@@ -53,4 +53,8 @@ def call(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except grpc.RpcError as exc:
+        # Imported on a refusal only: the conversions import torch, and the admin
+        # commands (`weightcache health`, the probes) must start without it.
+        from weightcache.core.protocol import from_rpc_error
+
         raise from_rpc_error(exc) from None
