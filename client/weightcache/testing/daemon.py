@@ -210,7 +210,7 @@ class Daemon:
 
         Raises:
             DaemonStartError: it exited, or was not ready within ``timeout`` seconds, or
-                (``models``) a model failed or was refused.
+                (``models``) a model failed or was refused, or ListModels failed.
         """
         deadline = time.monotonic() + timeout
         while health(self.socket) != "SERVING":
@@ -229,7 +229,10 @@ class Daemon:
         return self.ready_seconds
 
     def _check_models(self, expected: int) -> None:
-        held = list_models(self.socket)
+        try:
+            held = list_models(self.socket)
+        except grpc.RpcError as exc:
+            raise DaemonStartError(f"ListModels failed: {exc}", None, self.log()) from None
         ready = [m for m in held if m.state == pb.MODEL_STATE_READY]
         if len(ready) == expected == len(held):
             return
