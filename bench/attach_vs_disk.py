@@ -4,7 +4,8 @@ Run with ``make bench`` or ``.venv/bin/python bench/attach_vs_disk.py [options]`
 
 1. generate a sharded safetensors checkpoint (``--size-gib``, ``--tensors``, ``--shards``)
    of BF16/F16/F32 tensors of varied shapes in a temporary folder under /tmp;
-2. start ``weightcache preload`` on it and wait until it is healthy;
+2. start ``weightcache preload`` on it (``weightcache.testing.run_daemon``) and wait
+   until it is ready;
 3. run ``attach_worker.py`` ``--repeat`` times per mode, modes interleaved, each run a fresh
    process, timing: ``load()`` zero-copy, ``load(mode="copy")``, ``load_from_disk()``, and
    the fingerprint alone;
@@ -18,24 +19,28 @@ matter. See bench/README.md for recorded results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import platform
 import random
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
-from daemon_proc import DaemonProcess, run_child, run_with_daemon
+from weightcache.testing import Daemon, HarnessError, run_daemon
 
 WORKER = Path(__file__).with_name("attach_worker.py")
 MODES = ("attach", "copy", "disk", "fingerprint")
@@ -147,21 +152,69 @@ def new_checkpoint(tmp: Path, tensors: int, total_bytes: int, seed: int) -> tupl
     return folder, plan_tensors(tensors, total_bytes, seed)
 
 
-def generate_and_preload(
-    folder: Path,
-    specs: list[Spec],
-    args: argparse.Namespace,
-    daemon: DaemonProcess,
-    *,
-    models: list[str],
-    timeout: float,
-) -> None:
-    """Write the checkpoint, start the daemon on ``models``; print how long each took."""
+def generate(folder: Path, specs: list[Spec], args: argparse.Namespace) -> None:
+    """Write the checkpoint; print how long it took."""
     begin = time.monotonic()
     write_checkpoint(folder, specs, args.shards, args.seed)
     print(f"  generated in {time.monotonic() - begin:.1f} s", end="; ", flush=True)
-    daemon.models = models
-    print(f"daemon preloaded it and was healthy after {daemon.start(timeout=timeout):.1f} s")
+
+
+@contextlib.contextmanager
+def preloaded(
+    folder: Path, tmp: Path, *, args: Sequence[str] = (), timeout: float
+) -> Iterator[Daemon]:
+    """A daemon preloading ``folder`` (``args``: further ``preload`` flags), logging to
+    ``tmp/daemon.log``; stopped with SIGTERM and checked for leftovers on exit.
+
+    Raises:
+        HarnessError: it did not become ready in ``timeout`` seconds with the model READY,
+            or did not stop cleanly (its log is in the message).
+    """
+    # Its own session: a Ctrl-C in the terminal reaches only this process, which then
+    # stops the daemon with SIGTERM on the way out.
+    with run_daemon([folder], args=args, log_dir=tmp, timeout=timeout, new_session=True) as d:
+        print(f"daemon preloaded it and was ready after {d.ready_seconds:.1f} s (pid {d.pid})")
+        yield d
+    print(f"  daemon stopped on SIGTERM, exit status 0; no socket, no weightcache-{d.tag}-* left")
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)  # so that the daemon is stopped on the way out
+
+
+def run_script(
+    prefix: str, body: Callable[[Path], bool], errors: tuple[type[Exception], ...]
+) -> bool:
+    """Run ``body(tmp)`` with a fresh folder under /tmp, removed afterwards.
+
+    SIGTERM becomes ``SystemExit``; a ``HarnessError`` or one of ``errors`` is printed as
+    ``FAILED: ...`` and a Ctrl-C as ``interrupted`` (to stderr).
+
+    Returns:
+        What ``body`` returned; False when it raised one of those.
+    """
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    reported: tuple[type[Exception], ...] = (HarnessError, *errors)
+    try:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            return body(Path(tmp))
+    except reported as err:
+        print(f"FAILED: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+    return False
+
+
+def run_child(command: list[str], what: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a worker to completion, its stdout and stderr captured as text.
+
+    Raises:
+        BenchError: it ran over ``timeout`` seconds.
+    """
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{what} worker ran over {timeout:.0f} s") from None
 
 
 def machine_line(with_torch: bool = True) -> str:
@@ -206,7 +259,7 @@ def run_worker(mode: str, model: Path, socket: str, out: Path) -> dict[str, Any]
     """
     command = [sys.executable, str(WORKER), mode, str(model), "--socket", socket]
     command += ["--out", str(out)]
-    done = run_child(command, mode, WORKER_TIMEOUT, BenchError)
+    done = run_child(command, mode, WORKER_TIMEOUT)
     if done.returncode != 0:
         raise BenchError(f"{mode} worker exited {done.returncode}:\n{done.stdout}{done.stderr}")
     result: dict[str, Any] = json.loads(out.read_text())
@@ -300,22 +353,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> bool:
-    """Steps 1-4 of the module docstring; True once done (a failure raises)."""
+def run_bench(args: argparse.Namespace, tmp: Path) -> bool:
+    """Steps 1-5 of the module docstring; True once done (a failure raises)."""
     if args.drop_caches:
         drop_caches()  # fail before spending minutes generating
     folder, specs = new_checkpoint(tmp, args.tensors, int(args.size_gib * 2**30), args.seed)
     print_setup(specs, args.shards, folder, args)
-    generate_and_preload(folder, specs, args, daemon, models=[str(folder)], timeout=900)
+    generate(folder, specs, args)
+    with preloaded(folder, tmp, timeout=900) as daemon:
+        print()
+        seconds = measure(
+            folder,
+            daemon.socket,
+            tmp,
+            repeat=args.repeat,
+            cold=args.drop_caches,
+            expected=len(specs),
+        )
     print()
-    seconds = measure(
-        folder,
-        daemon.socket,
-        tmp,
-        repeat=args.repeat,
-        cold=args.drop_caches,
-        expected=len(specs),
-    )
     print_results(seconds)
     return True
 
@@ -323,7 +378,7 @@ def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> boo
 def main() -> int:
     """Run the benchmark; returns the exit status."""
     args = parse_args()
-    ok = run_with_daemon("wcbench-", "cpu.sock", functools.partial(run_bench, args), (BenchError,))
+    ok = run_script("wcbench-", functools.partial(run_bench, args), (BenchError,))
     return 0 if ok else 1
 
 

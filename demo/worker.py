@@ -44,7 +44,8 @@ def build_model(model_dir: str) -> transformers.BertModel:
     config = transformers.BertConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = transformers.BertModel(config)
-    return model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves eval() unannotated
+    return model
 
 
 def get_weights(
@@ -74,7 +75,8 @@ def materialise_buffers(model: transformers.BertModel) -> None:
         RuntimeError: a parameter or buffer is still on the meta device.
     """
     embeddings = model.embeddings
-    embeddings.token_type_ids = torch.zeros_like(embeddings.position_ids)
+    # A plain attribute set, as transformers itself does: the buffer is not persistent.
+    embeddings.token_type_ids = torch.zeros_like(embeddings.position_ids)  # type: ignore[assignment]
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"still on the meta device after loading: {left}")

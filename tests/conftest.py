@@ -1,8 +1,9 @@
 """Fixtures: checkpoints on disk, real daemons on real sockets, real worker processes.
 
-Every daemon fixture checks at teardown that its daemons left no socket, lock file or
-/dev/shm segment behind (after a SIGKILL, a fresh daemon on the same socket must remove
-the dead one's segments).
+The harness's own fixtures (``weightcache.testing.pytest_plugin``) under the names the
+tests use. Every daemon fixture checks at teardown that its daemons left no socket, lock
+file or /dev/shm segment behind (after a SIGKILL, a fresh daemon on the same socket must
+remove the dead one's segments).
 """
 
 from __future__ import annotations
@@ -13,36 +14,32 @@ from pathlib import Path
 import pytest
 
 from tests.fault_support import Children, Zygote, zygote_for
-from tests.support import Checkpoints, DaemonPool, WorkerPool, make_checkpoints, short_tempdir
+from weightcache.testing import Checkpoints, DaemonPool, WorkerPool
+
+pytest_plugins = ["weightcache.testing.pytest_plugin"]
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    return make_checkpoints(tmp_path_factory.mktemp("checkpoints"))
+def checkpoints(wc_checkpoints: Checkpoints) -> Checkpoints:
+    return wc_checkpoints
 
 
 @pytest.fixture
-def daemons(tmp_path: Path) -> Iterator[DaemonPool]:
+def daemons(wc_daemons: DaemonPool) -> DaemonPool:
     """Start daemons for one test; all stopped and checked for leftovers after it."""
-    pool = DaemonPool(short_tempdir(), tmp_path)
-    yield pool
-    pool.close()
+    return wc_daemons
 
 
 @pytest.fixture(scope="module")
-def module_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPool]:
+def module_daemons(wc_module_daemons: DaemonPool) -> DaemonPool:
     """Like :func:`daemons`, for read-mostly daemons shared by one module's tests."""
-    pool = DaemonPool(short_tempdir(), tmp_path_factory.mktemp("daemon-logs"))
-    yield pool
-    pool.close()
+    return wc_module_daemons
 
 
 @pytest.fixture
-def workers(daemons: DaemonPool, tmp_path: Path) -> Iterator[WorkerPool]:
+def workers(wc_workers: WorkerPool) -> WorkerPool:
     """Start worker processes; ended after the test, before its daemons stop."""
-    pool = WorkerPool(tmp_path)
-    yield pool
-    pool.close()
+    return wc_workers
 
 
 @pytest.fixture(scope="module")

@@ -24,28 +24,16 @@ import grpc
 import torch
 from safetensors.torch import save_file
 
-from tests.support import (
-    METADATA,
-    SINGLE_FILE,
-    STOP_TIMEOUT,
-    Daemon,
-    DaemonPool,
-    child_env,
-    next_event,
-    next_reply,
-    service_stub,
-)
-from tests.worker_common import tensor_digest
+from tests.support import service_stub
 from weightcache._loader import _acquire_request
 from weightcache.core.checkpoint import open_checkpoint
 from weightcache.core.fingerprint import Level, compute_fingerprint
 from weightcache.core.recipe import Placement, Recipe
+from weightcache.testing import METADATA, SINGLE_FILE, STOP_TIMEOUT, Daemon, DaemonPool, child_env
+from weightcache.testing.protocol import next_event, next_reply, tensor_digest
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 ZYGOTE_SCRIPT = Path(__file__).resolve().parent / "fault_worker.py"
-#: Seconds a daemon may take to become ready (:func:`start_ready`); generous: the machine is
-#: shared and loaded.
-DAEMON_READY = 120.0
 #: Seconds the zygote may take to import torch and answer its first command.
 ZYGOTE_TIMEOUT = 120.0
 #: Seconds a worker may take to answer one command.
@@ -272,10 +260,8 @@ def start_ready(
     socket: str | None = None,
     args: Sequence[str] = (),
 ) -> Daemon:
-    """Start a daemon without the pool's own wait, then wait up to :data:`DAEMON_READY`."""
-    daemon = daemons.start(models, socket=socket, args=args, wait=False)
-    daemon.wait_ready(DAEMON_READY)
-    return daemon
+    """Start a daemon and wait until it is ready (the harness's ``READY_TIMEOUT``)."""
+    return daemons.start(models, socket=socket, args=args)
 
 
 @contextlib.contextmanager

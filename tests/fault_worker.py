@@ -57,10 +57,16 @@ from typing import Any
 
 import torch
 from structlog.testing import capture_logs
-from worker_common import SHM_MAPPING, Handler, jsonable, serve_commands, tensor_digest
-from worker_common import describe as describe_with_components
 
 import weightcache
+from weightcache.testing.protocol import (
+    SHM_MAPPING,
+    Handler,
+    jsonable,
+    serve_commands,
+    tensor_digest,
+)
+from weightcache.testing.protocol import describe as describe_with_components
 
 
 def describe(exc: BaseException) -> dict[str, Any]:

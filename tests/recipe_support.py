@@ -18,9 +18,7 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +30,8 @@ from safetensors.torch import save_file
 
 import weightcache
 import weightcache.core.hashcache
-from tests.support import (
-    INDEX_FILE,
-    METADATA,
-    SINGLE_FILE,
-    Daemon,
-    DaemonPool,
-    Worker,
-    child_env,
-    service_stub,
-)
+from tests.support import service_stub
+from weightcache.testing import INDEX_FILE, METADATA, SINGLE_FILE, Daemon, DaemonPool, Worker
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 TESTS = Path(__file__).resolve().parent
@@ -67,7 +57,7 @@ def children_env(hash_cache: Path) -> dict[str, str]:
 @contextlib.contextmanager
 def environ(extra: Mapping[str, str]) -> Iterator[None]:
     """Set ``extra`` in ``os.environ`` for the block (children started in it inherit
-    them through :func:`tests.support.child_env`), then restore what was there."""
+    them through :func:`weightcache.testing.child_env`), then restore what was there."""
     saved = {key: os.environ.get(key) for key in extra}
     os.environ.update(extra)
     try:
@@ -80,8 +70,6 @@ def environ(extra: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-#: Seconds several daemons started together may take to be ready, on a loaded machine.
-READY_TIMEOUT = 180.0
 #: Seconds a recipe worker may take to answer (its first command may import transformers).
 WORKER_TIMEOUT = 180.0
 #: pytest-timeout for the tests of these modules: their module fixtures start several
@@ -99,32 +87,21 @@ def start_daemons(
         return {name: pool.start(args=list(argv), wait=False) for name, argv in specs.items()}
 
 
-def wait_ready(daemons: Iterable[Daemon], timeout: float = READY_TIMEOUT) -> None:
-    """Wait until every daemon is ready, all within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+def wait_ready(daemons: Iterable[Daemon]) -> None:
+    """Wait until every daemon is ready (each within the harness's ``READY_TIMEOUT``)."""
     for daemon in daemons:
-        daemon.wait_ready(max(1.0, deadline - time.monotonic()))
+        daemon.wait_ready()
 
 
 # -- workers -------------------------------------------------------------------------
 
 
 class RecipeWorker(Worker):
-    """``tests/recipe_worker.py`` in its own interpreter (same protocol as
-    :class:`tests.support.Worker`), started with ``env`` added to its environment."""
+    """``tests/recipe_worker.py`` in its own interpreter (the harness's worker protocol,
+    other commands), started with ``env`` added to its environment."""
 
     def __init__(self, log_path: Path, env: Mapping[str, str]) -> None:
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(RECIPE_WORKER)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env={**child_env(), **env},
-            )
-        self._buffer = b""
-        self._events: list[dict[str, Any]] = []
+        super().__init__(log_path, [sys.executable, str(RECIPE_WORKER)], env)
 
     def load(
         self,

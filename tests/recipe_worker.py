@@ -1,6 +1,6 @@
 """A model worker for the recipe tests: a separate process driven over pipes.
 
-Same protocol as ``tests/worker.py`` (one JSON command per line on stdin, one JSON reply
+Same protocol as ``weightcache.testing.worker`` (one JSON command per line on stdin, one JSON reply
 per line on the original stdout; fd 1 is pointed at stderr first; EOF closes everything
 and exits 0), with recipes given as JSON:
 ``{"dtype", "tp_plan": {pattern: style}, "tp_plan_file", "plugins": ["name:k=v", ...]}``.
@@ -24,16 +24,22 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import torch
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
-from worker_common import Handler, describe, in_shared_memory, protocol_out, serve_commands
 
 import weightcache
 from weightcache._module import assign
+from weightcache.testing.protocol import (
+    Handler,
+    describe,
+    in_shared_memory,
+    protocol_out,
+    serve_commands,
+)
 
 SENTENCE = "A restarted worker gets bitwise the weights it would have read from disk."
 LLAMA_INPUT = [[1, 5, 9, 17, 33, 65, 127, 2, 0, 64, 100, 3]]
@@ -96,7 +102,7 @@ def from_pretrained(kind: str, path: str) -> torch.nn.Module:
     return model.eval()
 
 
-def warnings(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def warnings(logs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The warning entries of structlog's ``capture_logs``, as JSON."""
     return [
         {"event": e["event"], "names": e.get("names")} for e in logs if e["log_level"] == "warning"

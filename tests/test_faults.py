@@ -41,13 +41,13 @@ from tests.support import (
     shm_segments,
     wait_until,
 )
-from tests.worker_common import tensor_digest
+from weightcache.testing import READY_TIMEOUT
+from weightcache.testing.protocol import tensor_digest
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
 
-#: Seconds a daemon may take to become ready; generous: the machine is shared and loaded.
-READY = 120.0
+READY = READY_TIMEOUT  # the harness's one ready timeout
 #: Seconds of scheduling slack allowed on top of a lease's validity window.
 SLACK = 1.0
 #: Short TTL for loss detection: validity 2 s.

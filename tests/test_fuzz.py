@@ -49,6 +49,7 @@ from tests.support import (
     service_stub,
 )
 from weightcache.core.dtypes import TORCH_DTYPES
+from weightcache.testing import READY_TIMEOUT
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
@@ -56,7 +57,7 @@ pytestmark = pytest.mark.timeout(300)
 
 SCALE = max(1, int(os.environ.get("WEIGHTCACHE_FUZZ_EXAMPLES", "1")))
 RANDOM = os.environ.get("WEIGHTCACHE_FUZZ_RANDOM") == "1"
-START_TIMEOUT = 150.0
+START_TIMEOUT = READY_TIMEOUT  # the harness's one ready timeout
 GOOD = "good"
 SERVICE = "/weightcache.v1.WeightCacheService/"
 #: Status codes the contract documents for requests that decode.

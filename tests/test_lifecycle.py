@@ -49,14 +49,14 @@ from tests.support import (
     shm_segments,
     wait_until,
 )
-from tests.worker_common import tensor_digest
+from weightcache.testing import READY_TIMEOUT
+from weightcache.testing.protocol import tensor_digest
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.budget import cpu_available_bytes
 
 pytestmark = pytest.mark.timeout(300)
 
-#: Seconds a daemon may take to become ready; generous: the machine is shared and loaded.
-READY = 120.0
+READY = READY_TIMEOUT  # the harness's one ready timeout
 LONG_TTL = 60.0
 #: Seconds a drain may overrun its timeout: scheduling on a loaded 2-core machine.
 DRAIN_SLACK = 1.5

@@ -93,6 +93,7 @@ from tests.support import (
     shm_segments,
 )
 from weightcache.core.protocol import fingerprint_pb
+from weightcache.testing import READY_TIMEOUT
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_address, peer_is_local
@@ -105,7 +106,7 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = os.geteuid() == 0
 HOST_IP = primary_ipv4()
 IPV6 = ipv6_loopback()
-START_TIMEOUT = 150.0
+START_TIMEOUT = READY_TIMEOUT  # the harness's one ready timeout
 #: weightcache-<socket tag>-<instance>-<owner pid>-<owner start time>-<128 random bits>
 SEGMENT_NAME = re.compile(
     r"^weightcache-([0-9a-f]{12})-([0-9a-f]{12})-([1-9][0-9]*)-([0-9]+)-([0-9a-f]{32})$"

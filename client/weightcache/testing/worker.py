@@ -1,6 +1,7 @@
-"""A model worker for the tests: a separate process that gets weights with weightcache.load.
+"""A model worker: a separate process that gets weights with ``weightcache.load``.
 
-The test drives it over pipes: one JSON command per line on stdin, one JSON message per
+Run as ``python -m weightcache.testing.worker``; :class:`weightcache.testing.driver.Worker`
+drives it over pipes: one JSON command per line on stdin, one JSON message per
 line back on the original stdout. Replies carry ``"reply"`` (the command's ``op``);
 messages the worker sends on its own carry ``"event"`` (``lease_lost``, from the
 ``on_lease_lost`` callback, on the keepalive thread). File descriptor 1 is pointed at
@@ -33,7 +34,9 @@ from typing import Any, TextIO
 import torch
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
-from worker_common import (
+
+import weightcache
+from weightcache.testing.protocol import (
     Handler,
     describe,
     in_shared_memory,
@@ -41,8 +44,6 @@ from worker_common import (
     protocol_out,
     serve_commands,
 )
-
-import weightcache
 
 
 class WorkerState:
@@ -164,6 +165,7 @@ def dump(tensors: dict[str, torch.Tensor], path: str) -> None:
 
 
 def main() -> None:
+    """Serve commands from stdin until EOF, then close everything loaded."""
     state = WorkerState(protocol_out())
     handlers: dict[str, Handler] = {
         "load": state.load,

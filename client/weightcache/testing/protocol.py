@@ -1,9 +1,12 @@
-"""Helpers shared by the worker scripts (``worker.py``, ``fault_worker.py``,
-``recipe_worker.py``): tensor digests, exceptions and values as JSON, where tensors'
-bytes lie, and the command loop of the line protocol.
+"""The worker line protocol, both ends: JSON commands in, JSON replies and events out.
 
-The scripts run as ``python tests/<script>.py``, so this folder is ``sys.path[0]`` there
-and they import this module as ``worker_common``.
+A worker process reads one JSON command per line (``{"op": ..., ...}``) and answers each
+with one JSON line tagged ``"reply": op``; messages it sends on its own carry ``"event"``.
+The worker side: :func:`protocol_out`, :func:`serve_commands`, and how values travel
+(:func:`describe`, :func:`jsonable`, :func:`tensor_digest`, :func:`in_shared_memory`). The
+driving side: :func:`next_reply`, :func:`next_event`. ``weightcache.testing.worker`` and
+``weightcache.testing.driver`` are one pair built on it; a test may build its own worker
+with other commands on the same protocol.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
@@ -19,8 +23,10 @@ import torch
 
 import weightcache
 
+#: What a mapping of a daemon's CPU segment looks like in ``/proc/self/maps``.
 SHM_MAPPING = "/dev/shm/weightcache-"
 
+#: A worker's answer to one command: the command in, the reply's fields out.
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -50,6 +56,8 @@ def describe(exc: BaseException, *, components: bool = True) -> dict[str, Any]:
 
 
 def jsonable(value: Any) -> Any:
+    """``value`` with every dict key a string and every value that is not JSON replaced
+    by its ``repr`` (lists and tuples become lists)."""
     if isinstance(value, str | int | float | bool) or value is None:
         return value
     if isinstance(value, dict):
@@ -104,3 +112,38 @@ def serve_commands(
         except Exception as exc:
             reply = {"ok": False, "error": describe(exc)}
         send({"reply": cmd["op"], **reply})
+
+
+def next_reply(
+    op: str, deadline: float, read: Callable[[float], dict[str, Any]], events: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Read messages (``read(deadline)``, deadline on ``time.monotonic``) until the reply to
+    ``op``; events that come first are appended to ``events``.
+
+    Raises:
+        AssertionError: a reply to another command came first (the protocol is out of step).
+        Exception: whatever ``read`` raises (a dead or silent worker).
+    """
+    while True:
+        message = read(deadline)
+        if "reply" in message:
+            assert message["reply"] == op, message
+            return message
+        events.append(message)
+
+
+def next_event(
+    name: str, timeout: float, read: Callable[[float], dict[str, Any]], events: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The next event called ``name``: from ``events`` (kept earlier, removed from there) or
+    read on, for up to ``timeout`` seconds.
+
+    Raises:
+        Exception: whatever ``read`` raises (a dead or silent worker).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        for i, message in enumerate(events):
+            if message.get("event") == name:
+                return events.pop(i)
+        events.append(read(deadline))
