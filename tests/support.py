@@ -28,6 +28,7 @@ from grpc_status import rpc_status
 from safetensors.torch import save_file
 
 import weightcache
+from weightcache.core.sockets import SHM_DIR
 from weightcache.testing.checkpoints import (  # noqa: F401 - re-exported for the tests
     INDEX_FILE,
     METADATA,
@@ -46,7 +47,6 @@ from weightcache.testing.daemon import (  # noqa: F401 - re-exported for the tes
     POLL,
     READY_TIMEOUT,
     REMOVED_SEGMENT,
-    SHM_DIR,
     STOP_TIMEOUT,
     Daemon,
     DaemonPool,

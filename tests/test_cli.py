@@ -35,8 +35,8 @@ from tests.support import (
     short_tempdir,
 )
 from weightcache.core.sockets import default_socket
+from weightcache.core.sockets import segment_tag as socket_tag
 from weightcache_service.cli import _parser, client_socket, daemon_socket
-from weightcache_service.server import socket_tag
 
 
 @pytest.fixture(scope="module")

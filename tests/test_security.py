@@ -93,12 +93,12 @@ from tests.support import (
     shm_segments,
 )
 from weightcache.core.protocol import fingerprint_pb
+from weightcache.core.sockets import segment_tag as socket_tag
 from weightcache.testing import READY_TIMEOUT
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_address, peer_is_local
 from weightcache_service.authz import RULES
-from weightcache_service.server import socket_tag
 
 # Fixture setup (several daemons, other users' interpreters) counts against a test's limit.
 pytestmark = pytest.mark.timeout(300)

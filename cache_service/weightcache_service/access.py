@@ -19,13 +19,11 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from weightcache.core.sockets import MAX_SOCKET_PATH
+
 
 class AccessError(RuntimeError):
     """The socket folder, group or listen address is unusable or unsafe."""
-
-
-#: sockaddr_un.sun_path is 108 bytes including the terminating NUL (unix(7)).
-MAX_SOCKET_PATH = 107
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import ResourceExhaustedError
 from weightcache.core.records import SharedMemoryHandle, StorageHandle, TensorView
-from weightcache_service.segments import SEGMENT_PREFIX, SHM_DIR
+from weightcache.core.sockets import SEGMENT_PREFIX, SHM_DIR
 
 ALIGNMENT = 256
 #: errno values of a segment creation that mean "out of a resource": space or inodes of

@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightcache.core.errors import RecipeError, WeightCacheError
 from weightcache.core.fingerprint import LEVELS
-from weightcache.core.rpc import call, connect, target
+from weightcache.core.rpc import SERVICE_NAME, call, connect, target
 from weightcache.core.sockets import default_socket
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from weightcache_service.server import TcpListener
 
 #: Health service name of the weight cache (grpc.health.v1).
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -402,7 +401,8 @@ def _evict(socket: str, name: str, force: bool, timeout: float) -> int:
 
 
 def _gc(dry_run: bool) -> int:
-    from weightcache_service.segments import SHM_DIR, dead_segments
+    from weightcache.core.sockets import SHM_DIR
+    from weightcache_service.segments import dead_segments
 
     try:
         dead = dead_segments()

@@ -17,8 +17,8 @@ import os
 import re
 from dataclasses import dataclass
 
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "weightcache-"
+from weightcache.core.sockets import SHM_DIR
+
 _NAME = re.compile(
     r"^weightcache-(?P<tag>[0-9a-f]{12})-(?P<instance>[0-9a-f]{12})-"
     r"(?P<pid>[1-9][0-9]*)-(?P<start>[0-9]+)-[0-9a-f]{32}$"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import signal
 import uuid
@@ -25,8 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
 from weightcache.core.fingerprint import Level
 from weightcache.core.recipe import Placement, Recipe
-from weightcache.core.rpc import MAX_RESPONSE_BYTES
-from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME
+from weightcache.core.sockets import SEGMENT_PREFIX, segment_tag
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
 from weightcache_service.arena import remove_stale_segments
@@ -36,14 +35,13 @@ from weightcache_service.budget import MemoryBudget
 from weightcache_service.cache import ServiceOptions, WeightCache
 from weightcache_service.guard import StatusGuard
 from weightcache_service.leases import LeaseTable
-from weightcache_service.segments import SEGMENT_PREFIX, owner_part, remove_dead_segments
+from weightcache_service.segments import owner_part, remove_dead_segments
 from weightcache_service.servicer import WeightCacheServicer
 from weightcache_service.socket_lock import SocketLock
 from weightcache_service.store import Store
 
 log = structlog.get_logger("weightcache.daemon")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
 REAP_INTERVAL = 0.2
 #: Largest request accepted: requests carry ids, paths and a fingerprint, never data.
 MAX_REQUEST_BYTES = 4 * 2**20
@@ -146,22 +144,13 @@ class DaemonConfig:
     grace: float = 1.0
 
 
-def socket_tag(socket: str) -> str:
-    """Short stable tag of a socket path, used in its daemons' segment names."""
-    # The folder is resolved, not the socket: a symlink planted at the socket path must
-    # not lend the daemon another socket's tag (and its segments to clean up).
-    folder, name = os.path.split(os.path.abspath(socket))
-    path = os.path.join(os.path.realpath(folder), name)
-    return hashlib.sha256(path.encode()).hexdigest()[:12]
-
-
 class Daemon:
     """One daemon: call :meth:`run` from an event loop; :meth:`stop` ends it."""
 
     def __init__(self, config: DaemonConfig, leases: LeaseTable | None = None) -> None:
         self.config = config
         self.instance_id = uuid.uuid4().hex
-        tag = socket_tag(config.socket)
+        tag = segment_tag(config.socket)
         owner = owner_part()  # lets any later daemon tell this one's segments are garbage
         self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-{owner}-"
         self._tag = tag

@@ -25,8 +25,7 @@ from weightcache.core.cuda import local_index, open_ipc
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import HandleError
 from weightcache.core.records import CudaIpcHandle, SharedMemoryHandle, TensorView
-
-SHM_DIR = "/dev/shm"
+from weightcache.core.sockets import SHM_DIR
 
 
 @dataclass

@@ -9,9 +9,13 @@ from typing import TypeVar
 import grpc
 
 from weightcache.core.errors import DaemonUnavailableError
+from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+#: The service's full name: what a daemon's gRPC health service reports SERVING once its
+#: start-up preloads have ended (grpc.health.v1).
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
 #: Largest response, in bytes, the daemon sends and the SDK accepts: an AcquireResponse of
 #: a model with very many tensors.
 MAX_RESPONSE_BYTES = 256 * 2**20

@@ -1,4 +1,5 @@
-"""Where a device's daemon listens: the one socket-naming rule.
+"""Where a device's daemon listens (the one socket-naming rule), and how the names of
+its shared-memory segments are derived from that socket.
 
 The daemon (``weightcache preload --device D``), the admin commands (``weightcache ls
 --device D``), the worker SDK (``weightcache.load(path, device=D)``) and the shipped
@@ -25,6 +26,7 @@ the CPU paths of the admin commands stay fast (``weightcache health`` is an exec
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import TYPE_CHECKING, Union
 
@@ -40,6 +42,12 @@ ENV_RUNTIME_DIR = "WEIGHTCACHE_RUNTIME_DIR"
 #: The runtime dir of root, and of the shipped systemd units (``RuntimeDirectory=``).
 SYSTEM_RUNTIME_DIR = "/run/weightcache"
 CPU = "cpu"
+#: Longest Unix socket path, in bytes, without its terminating NUL: ``sockaddr_un.sun_path``
+#: is 108 bytes on Linux (unix(7)).
+MAX_SOCKET_PATH = 107
+#: Where CPU arenas live (POSIX shared memory), and how every segment name starts.
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "weightcache-"
 _UUID_PREFIXES = ("GPU-", "MIG-")
 
 #: What names a device: ``"cpu"``, ``"cuda:N"``, a GPU UUID, an index, a ``torch.device``.
@@ -142,3 +150,16 @@ def _uuid_of(index: int | None, shown: str) -> str:
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
         )
     return device_uuid(index)
+
+
+def segment_tag(socket: str) -> str:
+    """The 12 lowercase hex digits that the daemon serving ``socket`` puts in its segment
+    names (``weightcache-<tag>-…``): the sha256 of the socket's path with its folder
+    resolved.
+
+    The folder is resolved, not the socket itself: a symlink planted at the socket path must
+    not lend the daemon another socket's tag (and that socket's segments to clean up).
+    """
+    folder, name = os.path.split(os.path.abspath(socket))
+    path = os.path.join(os.path.realpath(folder), name)
+    return hashlib.sha256(path.encode()).hexdigest()[:12]

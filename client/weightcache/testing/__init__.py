@@ -30,6 +30,7 @@ Modules (one concept each):
 Importing this package does not import pytest, nor the daemon's code.
 """
 
+from weightcache.core.sockets import segment_tag
 from weightcache.testing.checkpoints import (
     INDEX_FILE,
     METADATA,
@@ -59,7 +60,6 @@ from weightcache.testing.daemon import (
     health,
     list_models,
     run_daemon,
-    segment_tag,
     shm_segments,
     short_tempdir,
 )

@@ -14,7 +14,6 @@ its gRPC API only, as a user's test would.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -28,6 +27,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from weightcache.core.rpc import SERVICE_NAME
+from weightcache.core.sockets import MAX_SOCKET_PATH, SEGMENT_PREFIX, SHM_DIR, segment_tag
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
@@ -39,14 +40,8 @@ STOP_TIMEOUT = 30.0
 #: Seconds between readiness probes.
 POLL = 0.05
 #: The health-check service name that is SERVING once every start-up preload has ended.
-SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
-#: Where the daemon's CPU segments live, and how their names start.
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "weightcache-"
 #: The log line a daemon writes for each segment of a dead predecessor it removes.
 REMOVED_SEGMENT = "removed a dead daemon's segment"
-#: Longest Unix socket path, in bytes, with its terminating NUL (sun_path is 108 bytes).
-_SUN_PATH_MAX = 107
 
 
 class HarnessError(AssertionError):
@@ -89,17 +84,6 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
-
-
-def segment_tag(socket: str) -> str:
-    """The 12 hex digits the daemon on ``socket`` puts in its segment names.
-
-    The daemon's definition (``weightcache_service.server.socket_tag``), repeated here
-    because the SDK never imports the daemon; ``tests/test_testing.py`` pins the two equal.
-    """
-    folder, name = os.path.split(os.path.abspath(socket))
-    path = os.path.join(os.path.realpath(folder), name)
-    return hashlib.sha256(path.encode()).hexdigest()[:12]
 
 
 def shm_segments(tag: str) -> list[str]:
@@ -299,7 +283,7 @@ def socket_in(folder: Path, name: str = "d") -> str:
         ValueError: the path is too long for a Unix socket (107 bytes).
     """
     path = str(folder / f"{name}.sock")
-    if len(os.fsencode(path)) >= _SUN_PATH_MAX:
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise ValueError(f"socket path too long for a Unix socket: {path}")
     return path
 
