@@ -201,3 +201,19 @@ def test_release_and_retried_acquire_do_not_revive_an_expired_lease(
         assert get_model(daemon.socket, "single").lease_count == 1
         stub.Release(pb.ReleaseRequest(lease_id=retried.lease.lease_id), timeout=10)
         assert get_model(daemon.socket, "single").lease_count == 0
+
+
+def test_a_worker_that_asks_no_ttl_gets_the_daemons_default(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints
+) -> None:
+    """The default TTL has one home, the daemon's: the SDK sends none unless asked, and its
+    lease keeps the TTL granted."""
+    from weightcache_service.leases import DEFAULT_TTL
+
+    daemon = daemons.start([checkpoints.single])
+    worker = workers.start()
+    reply = worker.load(checkpoints.single, socket=daemon.socket)
+
+    assert_attached(reply)
+    assert reply["lease"]["ttl"] == DEFAULT_TTL == 10.0
+    assert reply["lease"]["validity"] == pytest.approx(DEFAULT_TTL * 2 / 3)

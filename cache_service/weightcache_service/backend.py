@@ -1,4 +1,9 @@
-"""Choosing the backend for ``--device``: CPU shared memory, or CUDA/ROCm IPC."""
+"""Choosing the backend for ``--device``: CPU shared memory, or CUDA/ROCm IPC.
+
+The device is resolved once per daemon (:func:`resolve_device`, called by the CLI): the
+same :class:`Device` then names the socket (by the rule of :mod:`weightcache.core.sockets`)
+and opens the backend (:func:`open_backend`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from weightcache.core.cuda import device_uuid, local_index
+from weightcache.core.sockets import CPU, parse_device
 from weightcache_service.access import Access
 from weightcache_service.arena import Arena, SharedMemoryArena
 from weightcache_service.budget import cpu_available_bytes
@@ -45,24 +51,57 @@ def cpu_backend(segment_prefix: str, access: Access) -> Backend:
     return Backend("cpu_shm", "cpu", "", make, cpu_available_bytes)
 
 
-def resolve_device(device: str) -> int:
-    """The local index of ``cuda:N``, ``N`` or a ``GPU-...`` UUID.
+@dataclass(frozen=True)
+class Device:
+    """A daemon's device, resolved once at start.
+
+    Attributes:
+        index: the local CUDA index; None for the CPU.
+        uuid: the GPU's physical UUID (``GPU-…``); empty for the CPU.
+    """
+
+    index: int | None
+    uuid: str
+
+    @property
+    def socket_device(self) -> str:
+        """The device as the socket rule names it: ``"cpu"`` or the GPU's UUID (which
+        needs no CUDA call to name a socket)."""
+        return self.uuid or CPU
+
+
+#: The CPU: shared-memory arenas.
+CPU_DEVICE = Device(None, "")
+
+
+def resolve_device(device: str) -> Device:
+    """The device ``--device`` names: ``cpu``, ``cuda``, ``cuda:N``, ``N`` or a GPU UUID.
 
     Raises:
-        DeviceError: no CUDA device, or none matching.
+        DeviceError: the text names no device, torch sees no CUDA/ROCm device, or none
+            matching.
     """
+    try:
+        text = parse_device(device)
+    except ValueError as exc:
+        raise DeviceError(f"--device {device}: {exc}") from None
+    if text == CPU:
+        return CPU_DEVICE
     if not torch.cuda.is_available():
         raise DeviceError(f"--device {device}: torch sees no CUDA/ROCm device")
-    text = device.removeprefix("cuda:")
-    if text.isdigit():
-        index = int(text)
+    target = text.removeprefix("cuda:")
+    if text == "cuda":
+        index = torch.cuda.current_device()
+    elif target.isdigit():
+        index = int(target)
         if index >= torch.cuda.device_count():
             raise DeviceError(f"--device {device}: only {torch.cuda.device_count()} visible")
-        return index
-    try:
-        return local_index(text)
-    except Exception as exc:
-        raise DeviceError(str(exc)) from None
+    else:
+        try:
+            index = local_index(target)
+        except Exception as exc:
+            raise DeviceError(str(exc)) from None
+    return Device(index, device_uuid(index))
 
 
 def cuda_backend(index: int) -> Backend:
@@ -78,13 +117,9 @@ def cuda_backend(index: int) -> Backend:
     return Backend("cuda_ipc", f"cuda:{index}", device_uuid(index), make, available)
 
 
-def open_backend(device: str, segment_prefix: str, access: Access) -> Backend:
-    """The backend for ``--device``: ``"cpu"`` (shared memory, segments named with
-    ``segment_prefix``), else a CUDA device (``cuda:N``, ``N`` or a ``GPU-...`` UUID).
-
-    Raises:
-        DeviceError: no CUDA device, or none matching.
-    """
-    if device == "cpu":
+def open_backend(device: Device, segment_prefix: str, access: Access) -> Backend:
+    """The backend of a resolved device: the CPU's shared memory (segments named with
+    ``segment_prefix``), else CUDA IPC on the GPU."""
+    if device.index is None:
         return cpu_backend(segment_prefix, access)
-    return cuda_backend(resolve_device(device))
+    return cuda_backend(device.index)

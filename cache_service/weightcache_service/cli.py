@@ -36,7 +36,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightcache.core.errors import RecipeError, WeightCacheError
-from weightcache.core.fingerprint import LEVELS
+from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS
 from weightcache.core.rpc import SERVICE_NAME, call, connect, target
 from weightcache.core.sockets import default_socket
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -44,9 +44,8 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 # The daemon's modules (and torch) are imported inside `preload` only, so that `health`,
 # `ls`, `info` and `evict` start in a fraction of a second: `health` is an exec probe.
 if TYPE_CHECKING:
+    from weightcache_service.backend import Device
     from weightcache_service.server import TcpListener
-
-#: Health service name of the weight cache (grpc.health.v1).
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -114,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="plugin a remote Preload may use; repeatable",
     )
-    daemon.add_argument("--fingerprint-level", choices=LEVELS, default="sampled")
+    daemon.add_argument("--fingerprint-level", choices=LEVELS, default=DEFAULT_LEVEL)
     daemon.add_argument("--allow-remote-preload", action="store_true", help="accept Preload RPCs")
     daemon.add_argument(
         "--model-root", action="append", default=[], help="folder remote Preload may read"
@@ -129,7 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument(
         "--max-memory", default=None, help="arena budget: bytes (8GiB, 500M) or percent (80%%)"
     )
-    daemon.add_argument("--headroom", default="256MiB", help="bytes a preload must leave available")
+    daemon.add_argument(
+        "--headroom", default=None, help="bytes a preload must leave available (default 256MiB)"
+    )
     daemon.add_argument("--log-format", choices=("console", "json"), default="console")
     daemon.add_argument(
         "--group", default=None, help="group allowed to connect (folder 0750, socket 0660)"
@@ -213,20 +214,19 @@ def client_socket(args: argparse.Namespace) -> str:
     return str(args.socket) if args.socket else default_socket(args.device)
 
 
-def daemon_socket(args: argparse.Namespace) -> str:
-    """The daemon's socket: ``--socket``, else ``--device``'s default (its UUID names a
-    GPU's), by the rule workers and the client subcommands follow.
+def daemon_socket(args: argparse.Namespace, device: Device | None = None) -> str:
+    """The daemon's socket: ``--socket``, else the default of its device (``device``, as
+    resolved once by the caller; else ``--device``, resolved here), by the rule workers and
+    the client subcommands follow. A GPU's socket is named by its UUID.
 
     Raises:
         DeviceError: ``--device`` names no visible device.
     """
     from weightcache_service.backend import resolve_device
 
-    if args.socket:
-        return str(args.socket)
-    if args.device != "cpu":
-        resolve_device(args.device)  # its own message when the device is not there
-    return default_socket(args.device)
+    if device is None:
+        device = resolve_device(args.device)
+    return str(args.socket) if args.socket else default_socket(device.socket_device)
 
 
 def _preload(args: argparse.Namespace) -> int:
@@ -234,7 +234,7 @@ def _preload(args: argparse.Namespace) -> int:
     from weightcache.core.recipe import Placement, Recipe, parse_dtype
     from weightcache.core.tp import TPPlan
     from weightcache_service.access import Access, AccessError
-    from weightcache_service.backend import DeviceError
+    from weightcache_service.backend import DeviceError, resolve_device
     from weightcache_service.budget import MemoryBudget, parse_size
     from weightcache_service.cache import ServiceOptions
     from weightcache_service.server import DaemonConfig, PreloadSpec, model_roots, run_daemon
@@ -253,7 +253,7 @@ def _preload(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         max_bytes, percent = parse_size(args.max_memory) if args.max_memory else (None, None)
-        headroom, headroom_percent = parse_size(args.headroom)
+        headroom, headroom_percent = parse_size(args.headroom) if args.headroom else (None, None)
         if headroom_percent is not None:
             raise ValueError("--headroom takes bytes, not a percentage")
     except ValueError as err:
@@ -266,9 +266,10 @@ def _preload(args: argparse.Namespace) -> int:
             plugins=tuple(PluginStep.parse(text) for text in args.recipe),
         )
         ranks = parse_ranks(args.tp_rank, args.tp_size)
+        device = resolve_device(args.device)  # once: it names the socket and the backend
         config = DaemonConfig(
-            socket=daemon_socket(args),
-            device=args.device,
+            socket=daemon_socket(args, device),
+            device=device,
             preload=[
                 PreloadSpec(path, recipe, Placement(rank, args.tp_size), level)
                 for path in args.models
@@ -280,7 +281,11 @@ def _preload(args: argparse.Namespace) -> int:
                 **({} if args.drain_timeout is None else {"drain_timeout": args.drain_timeout}),
                 allowed_plugins=frozenset(args.allow_recipe),
             ),
-            budget=MemoryBudget(max_bytes=max_bytes, percent=percent, headroom=headroom or 0),
+            budget=MemoryBudget(
+                max_bytes=max_bytes,
+                percent=percent,
+                headroom=MemoryBudget.headroom if headroom is None else headroom,
+            ),
             access=Access.for_group(args.group),
             tcp=_tcp(args),
         )

@@ -17,10 +17,10 @@ import os
 import re
 from dataclasses import dataclass
 
-from weightcache.core.sockets import SHM_DIR
+from weightcache.core.sockets import SEGMENT_PREFIX, SHM_DIR
 
 _NAME = re.compile(
-    r"^weightcache-(?P<tag>[0-9a-f]{12})-(?P<instance>[0-9a-f]{12})-"
+    rf"^{re.escape(SEGMENT_PREFIX)}(?P<tag>[0-9a-f]{{12}})-(?P<instance>[0-9a-f]{{12}})-"
     r"(?P<pid>[1-9][0-9]*)-(?P<start>[0-9]+)-[0-9a-f]{32}$"
 )
 

@@ -22,15 +22,15 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
-from weightcache.core.fingerprint import Level
+from weightcache.core.fingerprint import DEFAULT_LEVEL, Level
 from weightcache.core.recipe import Placement, Recipe
-from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME
+from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME, target
 from weightcache.core.sockets import SEGMENT_PREFIX, segment_tag
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
 from weightcache_service.arena import remove_stale_segments
 from weightcache_service.authz import AuthorizationInterceptor, Policy
-from weightcache_service.backend import open_backend
+from weightcache_service.backend import CPU_DEVICE, Device, open_backend
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.cache import ServiceOptions, WeightCache
 from weightcache_service.guard import StatusGuard
@@ -116,7 +116,7 @@ class PreloadSpec:
     path: str
     recipe: Recipe = field(default_factory=Recipe)
     placement: Placement = field(default_factory=Placement)
-    fingerprint_level: Level = "sampled"
+    fingerprint_level: Level = DEFAULT_LEVEL
 
 
 @dataclass
@@ -130,7 +130,8 @@ class DaemonConfig:
         budget: admission control for arenas.
         access: socket and segment permissions (``--group``).
         tcp: an extra TCP listener, or None.
-        device: ``"cpu"`` (shared memory), or ``"cuda:N"`` / a GPU UUID (CUDA IPC).
+        device: the resolved device (:func:`backend.resolve_device`): the CPU (shared
+            memory) or a GPU (CUDA IPC).
         grace: seconds in-flight RPCs get at shutdown, after the drain.
     """
 
@@ -140,7 +141,7 @@ class DaemonConfig:
     budget: MemoryBudget = field(default_factory=MemoryBudget)
     access: Access = field(default_factory=Access)
     tcp: TcpListener | None = None
-    device: str = "cpu"
+    device: Device = CPU_DEVICE
     grace: float = 1.0
 
 
@@ -239,7 +240,7 @@ class Daemon:
         )
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
         try:
-            server.add_insecure_port("unix:" + os.path.abspath(socket))
+            server.add_insecure_port(target(socket))
             if self.config.tcp is not None:
                 port = self.config.tcp.bind(server)
                 log.info("listening on tcp", address=self.config.tcp.address, port=port)

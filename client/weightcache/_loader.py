@@ -53,7 +53,7 @@ from weightcache.core.errors import (
     ModelLoadingError,
     WeightCacheError,
 )
-from weightcache.core.fingerprint import Fingerprint, Level, compute_fingerprint
+from weightcache.core.fingerprint import DEFAULT_LEVEL, Fingerprint, Level, compute_fingerprint
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.protocol import (
     acquire_request_pb,
@@ -257,7 +257,7 @@ def load_from_disk(
     *,
     dtype: str | torch.dtype | None = None,
     recipe: Recipe | None = None,
-    fingerprint_level: Level = "sampled",
+    fingerprint_level: Level = DEFAULT_LEVEL,
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> LoadedWeights:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal, TypedDict
 
 from weightcache._lease import POLICIES, REVOKE_POLICIES, LostCallback, Policy, RevokePolicy
-from weightcache.core.fingerprint import LEVELS, Level
+from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS, Level
 from weightcache.core.sockets import CPU, DeviceLike, parse_device
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class LoadOptions:
     recipe: Recipe | None = None
     mode: Mode = "zero_copy"
     fallback: bool = True
-    fingerprint_level: Level = "sampled"
+    fingerprint_level: Level = DEFAULT_LEVEL
     tp_rank: int = 0
     tp_size: int = 1
     ttl: float | None = None

@@ -36,6 +36,8 @@ FORMAT = "weightcache.fingerprint/1"
 SAMPLE_BYTES = 64
 Level = Literal["layout", "sampled", "full"]
 LEVELS: tuple[Level, ...] = ("layout", "sampled", "full")
+#: The level used when none is named: by the daemon, the SDK and the wire (UNSPECIFIED).
+DEFAULT_LEVEL: Level = "sampled"
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def compute_fingerprint(
     checkpoint: Checkpoint,
     recipe: Recipe | Pipeline,
     placement: Placement,
-    level: Level = "sampled",
+    level: Level = DEFAULT_LEVEL,
 ) -> Fingerprint:
     """Fingerprint a validated checkpoint under a recipe (or the pipeline already built
     from it for this checkpoint and placement) and a placement.

@@ -27,7 +27,7 @@ from weightcache.core.errors import (
     WeightCacheError,
     error_for_reason,
 )
-from weightcache.core.fingerprint import Fingerprint, Level
+from weightcache.core.fingerprint import DEFAULT_LEVEL, Fingerprint, Level
 from weightcache.core.plugins import PluginStep
 from weightcache.core.recipe import Placement, Recipe, parse_dtype
 from weightcache.core.records import (
@@ -108,7 +108,7 @@ _LEVEL_TO_PB = {
     "full": pb.FINGERPRINT_LEVEL_FULL,
 }
 _LEVEL_FROM_PB: dict[int, Level] = {
-    pb.FINGERPRINT_LEVEL_UNSPECIFIED: "sampled",
+    pb.FINGERPRINT_LEVEL_UNSPECIFIED: DEFAULT_LEVEL,
     pb.FINGERPRINT_LEVEL_LAYOUT: "layout",
     pb.FINGERPRINT_LEVEL_SAMPLED: "sampled",
     pb.FINGERPRINT_LEVEL_FULL: "full",
@@ -168,7 +168,7 @@ def fingerprint_from_pb(message: pb.Fingerprint) -> Fingerprint:
     components = {c.name: c.digest for c in message.components}
     return Fingerprint(
         digest=digest,
-        level=_LEVEL_FROM_PB.get(message.level, "sampled"),
+        level=_LEVEL_FROM_PB.get(message.level, DEFAULT_LEVEL),
         components=dict(sorted(components.items())),
     )
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from weightcache.core.rpc import SERVICE_NAME
+from weightcache.core.rpc import SERVICE_NAME, target
 from weightcache.core.sockets import MAX_SOCKET_PATH, SEGMENT_PREFIX, SHM_DIR, segment_tag
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
@@ -97,7 +97,7 @@ def health(socket: str, timeout: float = 1.0) -> str | None:
     ``socket``, or None when none answers within ``timeout`` seconds."""
     if not os.path.exists(socket):
         return None
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
+    with grpc.insecure_channel(target(socket)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout
@@ -114,7 +114,7 @@ def list_models(socket: str, timeout: float = 10.0) -> list[pb.Model]:
     Raises:
         grpc.RpcError: the call failed (no daemon, or it refused).
     """
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
+    with grpc.insecure_channel(target(socket)) as channel:
         stub = pb_grpc.WeightCacheServiceStub(channel)
         reply: pb.ListModelsResponse = stub.ListModels(pb.ListModelsRequest(), timeout=timeout)
     return list(reply.models)
