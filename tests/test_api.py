@@ -361,7 +361,7 @@ def test_options_of_another_type_is_a_type_error(checkpoints: Checkpoints) -> No
         weightcache.load(checkpoints.single, sockett="/x.sock")  # type: ignore[call-arg]
 
 
-INVALID_OPTIONS = [
+INVALID_OPTIONS: list[tuple[dict[str, Any], str]] = [
     ({"mode": "mmap"}, "mode must be one of ('zero_copy', 'copy'), not 'mmap'"),
     (
         {"fingerprint_level": "deep"},
@@ -397,3 +397,19 @@ def test_invalid_options_are_value_errors_either_way(
         weightcache.load(checkpoints.single, **fields)
 
     assert str(built.value) == str(loaded.value) == message
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [case for case in INVALID_OPTIONS if set(case[0]) <= {"dtype", "recipe", "fingerprint_level"}],
+    ids=lambda v: str(v)[:40],
+)
+def test_load_from_disk_refuses_what_load_options_refuse(
+    fields: dict[str, Any], message: str, checkpoints: Checkpoints
+) -> None:
+    """One home for these checks: load_from_disk takes no options object, but the same
+    rules (LoadOptions') refuse its arguments with the same message."""
+    with pytest.raises(ValueError) as refused:
+        weightcache.load_from_disk(checkpoints.single, **fields)
+
+    assert str(refused.value) == message

@@ -13,7 +13,6 @@ import gc
 import math
 import mmap
 import os
-import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +23,7 @@ from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import ResourceExhaustedError
 from weightcache.core.records import SharedMemoryHandle, StorageHandle, TensorView
 from weightcache.core.sockets import SEGMENT_PREFIX, SHM_DIR
+from weightcache_service.segments import segment_name
 
 ALIGNMENT = 256
 #: errno values of a segment creation that mean "out of a resource": space or inodes of
@@ -99,8 +99,8 @@ class SharedMemoryArena:
 
     Args:
         size: bytes, a multiple of 256.
-        prefix: name prefix, ``weightcache-<socket tag>-<instance id>-<pid>-<start>-``
-            (see :mod:`weightcache_service.segments`); a random component follows.
+        prefix: name prefix (:func:`weightcache_service.segments.segment_prefix`); a
+            random component follows (:func:`~weightcache_service.segments.segment_name`).
         mode: permission bits (0600, or 0640 for a group).
         gid: group to give the segment, or None.
 
@@ -112,7 +112,7 @@ class SharedMemoryArena:
 
     def __init__(self, size: int, prefix: str, mode: int = 0o600, gid: int | None = None) -> None:
         self.size = size
-        self.path = os.path.join(SHM_DIR, f"{prefix}{secrets.token_hex(16)}")
+        self.path = os.path.join(SHM_DIR, segment_name(prefix))
         self._closed = False
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

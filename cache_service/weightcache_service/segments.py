@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 from dataclasses import dataclass
 
 from weightcache.core.sockets import SEGMENT_PREFIX, SHM_DIR
@@ -42,6 +43,19 @@ def owner_part(pid: int | None = None) -> str:
     """``<pid>-<start time>`` of this process (or ``pid``), for segment names."""
     pid = os.getpid() if pid is None else pid
     return f"{pid}-{process_start_time(pid)}"
+
+
+def segment_prefix(tag: str, instance_id: str) -> str:
+    """The start of every segment name of this daemon process:
+    ``weightcache-<tag>-<first 12 of instance_id>-<pid>-<start>-`` (the owner part lets any
+    later daemon tell that this one's segments are garbage once it is gone)."""
+    return f"{SEGMENT_PREFIX}{tag}-{instance_id[:12]}-{owner_part()}-"
+
+
+def segment_name(prefix: str) -> str:
+    """A new segment's file name: ``prefix`` and 32 random hex digits (what ``_NAME``
+    parses back)."""
+    return f"{prefix}{secrets.token_hex(16)}"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, We
 from weightcache.core.fingerprint import DEFAULT_LEVEL, Level
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME, target
-from weightcache.core.sockets import SEGMENT_PREFIX, segment_tag
+from weightcache.core.sockets import segment_tag
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
 from weightcache_service.arena import remove_stale_segments
@@ -35,7 +35,7 @@ from weightcache_service.budget import MemoryBudget
 from weightcache_service.cache import ServiceOptions, WeightCache
 from weightcache_service.guard import StatusGuard
 from weightcache_service.leases import LeaseTable
-from weightcache_service.segments import owner_part, remove_dead_segments
+from weightcache_service.segments import remove_dead_segments, segment_prefix
 from weightcache_service.servicer import WeightCacheServicer
 from weightcache_service.socket_lock import SocketLock
 from weightcache_service.store import Store
@@ -152,8 +152,7 @@ class Daemon:
         self.config = config
         self.instance_id = uuid.uuid4().hex
         tag = segment_tag(config.socket)
-        owner = owner_part()  # lets any later daemon tell this one's segments are garbage
-        self._segment_prefix = f"{SEGMENT_PREFIX}{tag}-{self.instance_id[:12]}-{owner}-"
+        self._segment_prefix = segment_prefix(tag, self.instance_id)
         self._tag = tag
         # The device is resolved here, once: the store, the cache and server info all read
         # this one Backend.

@@ -236,7 +236,7 @@ def load(
     opts = resolve(options, keywords)
     with open_checkpoint(model_dir) as checkpoint:
         placement = Placement(opts.tp_rank, opts.tp_size)
-        pipeline = _recipe_of(opts.recipe, opts.dtype).build(checkpoint, placement)
+        pipeline = _recipe_of(opts).build(checkpoint, placement)
         fp = compute_fingerprint(checkpoint, pipeline, placement, opts.fingerprint_level)
         checkpoint.check_unchanged()  # else the fingerprint may mix two versions
         try:
@@ -264,23 +264,29 @@ def load_from_disk(
     """Load a checkpoint from disk with the recipe ``load()`` would apply; no daemon.
 
     Raises:
+        ValueError: ``recipe`` and ``dtype`` are both given, or ``fingerprint_level`` is
+            unknown (the checks of :class:`LoadOptions`).
         InvalidCheckpointError: the checkpoint is malformed, or a shard changed (dev,
             inode, size, mtime or ctime) while it was being read.
         RecipeError: the dtype or placement is invalid.
     """
+    options = LoadOptions(
+        dtype=dtype,
+        recipe=recipe,
+        fingerprint_level=fingerprint_level,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
     with open_checkpoint(model_dir) as checkpoint:
         placement = Placement(tp_rank, tp_size)
-        pipeline = _recipe_of(recipe, dtype).build(checkpoint, placement)
+        pipeline = _recipe_of(options).build(checkpoint, placement)
         fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
         return _from_disk(checkpoint, pipeline, fp, None)
 
 
-def _recipe_of(recipe: Recipe | None, dtype: str | torch.dtype | None) -> Recipe:
-    if recipe is None:
-        return Recipe(dtype=parse_dtype(dtype))
-    if dtype is not None:
-        raise ValueError("give dtype inside the recipe, not beside it")
-    return recipe
+def _recipe_of(options: LoadOptions) -> Recipe:
+    # LoadOptions has refused a recipe and a dtype together.
+    return options.recipe if options.recipe is not None else Recipe(parse_dtype(options.dtype))
 
 
 def _from_disk(
