@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import Checkpoints
+from tests.support import Checkpoints, run_cli
 from weightcache.core.checkpoint import open_checkpoint
 from weightcache.core.errors import HandleError, InvalidArgumentError
 from weightcache.core.fingerprint import Fingerprint, compute_fingerprint
@@ -229,3 +229,23 @@ def test_an_unknown_level_is_refused_with_its_field() -> None:
         level_from_pb(99)
 
     assert caught.value.metadata == {"field": "fingerprint_level"}
+
+
+def test_the_numbers_the_contract_and_the_cli_repeat_in_text_match_their_homes() -> None:
+    """The proto's and the CLI's help texts repeat three defaults for readers; each has one
+    home in the code, and this keeps the text from drifting from it."""
+    from pathlib import Path
+
+    from weightcache_service.budget import MemoryBudget
+    from weightcache_service.cache import ServiceOptions
+    from weightcache_service.leases import DEFAULT_TTL, MAX_TTL, MIN_TTL
+
+    proto = Path(__file__).parent.parent / "protos/weightcache/v1/weight_cache_service.proto"
+    assert f"Unset means {DEFAULT_TTL:g} s." in proto.read_text()
+    assert (MIN_TTL, DEFAULT_TTL, MAX_TTL) == (1.0, 10.0, 300.0)
+    shown = run_cli("preload", "--help")
+    text = " ".join(shown.stdout.split())  # argparse wraps the help to the terminal
+    assert shown.returncode == 0
+    assert f"evict --force); default {ServiceOptions.drain_timeout:g}" in text
+    assert MemoryBudget.headroom == 256 * 2**20
+    assert "leave available (default 256MiB)" in text
