@@ -26,6 +26,7 @@ from weightcache.testing import (
     WorkerDiedError,
     WorkerPool,
     assert_bitwise_equal,
+    list_models,
     make_checkpoints,
     reference_tensors,
     run_daemon,
@@ -33,6 +34,7 @@ from weightcache.testing import (
     shm_segments,
     worker_pool,
 )
+from weightcache.v1 import weight_cache_service_pb2 as pb
 
 
 def _socket_from_log(log: str) -> str:
@@ -152,3 +154,20 @@ def test_importing_the_harness_imports_neither_pytest_nor_the_daemon() -> None:
     )
 
     assert done.stdout.strip() == "[]"
+
+
+def test_a_path_preloaded_at_every_tensor_parallel_rank_is_ready(tmp_path: Path) -> None:
+    """One path with --tp-size 2 is two models (one per rank): both READY is a ready start."""
+    checkpoints = make_checkpoints(tmp_path)
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"embed.weight": "colwise"}')
+    args = ["--tp-size", "2", "--tp-plan", str(plan)]
+
+    with run_daemon([checkpoints.single], args=args) as daemon:
+        held = list_models(daemon.socket)
+        socket = daemon.socket
+
+    assert sorted(m.name for m in held) == ["single-tp0of2", "single-tp1of2"]
+    assert {m.state for m in held} == {pb.MODEL_STATE_READY}
+    assert not os.path.lexists(socket)
+    assert shm_segments(segment_tag(socket)) == []

@@ -22,7 +22,7 @@ import torch
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import ResourceExhaustedError
 from weightcache.core.records import SharedMemoryHandle, StorageHandle, TensorView
-from weightcache.core.sockets import SEGMENT_PREFIX, SHM_DIR
+from weightcache.core.sockets import SHM_DIR, tag_prefix
 from weightcache_service.segments import segment_name
 
 ALIGNMENT = 256
@@ -182,7 +182,7 @@ def remove_stale_segments(tag: str, keep_prefix: str) -> list[str]:
     ``keep_prefix`` (this instance's) are kept.
     """
     removed = []
-    start = f"{SEGMENT_PREFIX}{tag}-"
+    start = tag_prefix(tag)
     for entry in os.scandir(SHM_DIR):
         if entry.name.startswith(start) and not entry.name.startswith(keep_prefix):
             try:

@@ -18,7 +18,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from weightcache.core.sockets import SEGMENT_PREFIX, SHM_DIR
+from weightcache.core.sockets import SEGMENT_PREFIX, SHM_DIR, tag_prefix
 
 _NAME = re.compile(
     rf"^{re.escape(SEGMENT_PREFIX)}(?P<tag>[0-9a-f]{{12}})-(?P<instance>[0-9a-f]{{12}})-"
@@ -49,7 +49,7 @@ def segment_prefix(tag: str, instance_id: str) -> str:
     """The start of every segment name of this daemon process:
     ``weightcache-<tag>-<first 12 of instance_id>-<pid>-<start>-`` (the owner part lets any
     later daemon tell that this one's segments are garbage once it is gone)."""
-    return f"{SEGMENT_PREFIX}{tag}-{instance_id[:12]}-{owner_part()}-"
+    return f"{tag_prefix(tag)}{instance_id[:12]}-{owner_part()}-"
 
 
 def segment_name(prefix: str) -> str:

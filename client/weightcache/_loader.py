@@ -23,6 +23,7 @@ a bad recipe (:class:`RecipeError`); loading from disk cannot fix those.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -228,10 +229,16 @@ def load(
         InvalidCheckpointError: the checkpoint is malformed (either path), or a shard
             changed (dev, inode, size, mtime or ctime) while it was being read.
         RecipeError: the dtype or placement is invalid.
-        DaemonUnavailableError, DeviceNotVisibleError, FingerprintMismatchError,
-        ModelNotFoundError, ModelLoadingError, RemoteError: only with ``fallback=False``,
-            when the daemon cannot serve the weights (``DeviceNotVisibleError``: ``device``
-            is a GPU this process cannot see, so its daemon's socket cannot be named).
+        DaemonUnavailableError, ModelNotFoundError, FingerprintMismatchError,
+        ModelLoadingError, ModelFailedError, DrainingError, ResourceExhaustedError,
+        HandleError, UntrustedSocketError, DeviceNotVisibleError, CudaError: only with
+            ``fallback=False``: the daemon cannot serve the weights, for the reason of
+            :attr:`FallbackReason.CODES` the class names (``DeviceNotVisibleError`` also
+            when ``device`` is a GPU this process cannot see, so its daemon's socket
+            cannot be named). With ``fallback=True`` these load from disk instead.
+        NotSameHostError, PermissionDeniedError, UnauthenticatedError,
+        InvalidArgumentError, InternalError, RemoteError: whatever ``fallback``: the
+            daemon refused the request for a reason that loading from disk would hide.
     """
     opts = resolve(options, keywords)
     with open_checkpoint(model_dir) as checkpoint:
@@ -346,8 +353,11 @@ class _Attach:
         lease_id = lease.lease_id
         try:
             arena = self._map(reply, owner)
-        except WeightCacheError:
-            release(self.socket, lease_id)
+        except BaseException:
+            # Any failure to map gives the lease back at once (not after its TTL); a failed
+            # release must not hide why the mapping failed.
+            with contextlib.suppress(WeightCacheError):
+                release(self.socket, lease_id)
             raise
         weights = LoadedWeights(
             arena.tensors,

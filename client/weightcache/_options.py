@@ -41,8 +41,9 @@ class LoadOptions:
             ``CUDA_VISIBLE_DEVICES`` numbering is the one to use. When the UUID cannot be
             read (torch sees no such device), ``load`` falls back to disk with the reason
             ``DEVICE_NOT_VISIBLE`` (or raises :class:`DeviceNotVisibleError` without
-            ``fallback``). Ignored when ``socket`` is given. The tensors' device is the
-            daemon's; a disk fallback returns CPU tensors.
+            ``fallback``). Not used to name the socket when ``socket`` is given (it is
+            still checked: a text that names no device is a ``ValueError``). The
+            tensors' device is the daemon's; a disk fallback returns CPU tensors.
         dtype: cast floating tensors (``"BF16"``, ``torch.float16``, ...); None (default)
             keeps the checkpoint's dtypes.
         recipe: the full recipe (dtype, tensor-parallel plan, plugins); None (default)

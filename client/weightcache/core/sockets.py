@@ -141,9 +141,12 @@ def _uuid_of(index: int | None, shown: str) -> str:
             f"UUID (which names its daemon's socket) cannot be read "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
         )
-    count = torch.cuda.device_count()
-    if index is None:
-        index = torch.cuda.current_device()
+    try:
+        count = torch.cuda.device_count()
+        if index is None:
+            index = torch.cuda.current_device()
+    except RuntimeError as exc:  # e.g. CUDA re-initialized in a forked child, old driver
+        raise DeviceNotVisibleError(f"device {shown}: torch cannot use CUDA: {exc}") from None
     if index >= count:
         raise DeviceNotVisibleError(
             f"device {shown}: this process sees {count} device(s) "
@@ -163,3 +166,9 @@ def segment_tag(socket: str) -> str:
     folder, name = os.path.split(os.path.abspath(socket))
     path = os.path.join(os.path.realpath(folder), name)
     return hashlib.sha256(path.encode()).hexdigest()[:12]
+
+
+def tag_prefix(tag: str) -> str:
+    """How the names of every segment of the daemons on one socket start:
+    ``weightcache-<tag>-`` (``tag`` from :func:`segment_tag`)."""
+    return f"{SEGMENT_PREFIX}{tag}-"

@@ -28,15 +28,17 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightcache.core.rpc import SERVICE_NAME, target
-from weightcache.core.sockets import MAX_SOCKET_PATH, SEGMENT_PREFIX, SHM_DIR, segment_tag
+from weightcache.core.sockets import MAX_SOCKET_PATH, SHM_DIR, segment_tag, tag_prefix
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
 #: Seconds a daemon may take to become ready. Generous: on a loaded 2-core machine
 #: importing torch alone can take many seconds, and a preload reads whole checkpoints.
 READY_TIMEOUT = 150.0
-#: Seconds a daemon may take to exit after SIGTERM before it is SIGKILLed.
-STOP_TIMEOUT = 30.0
+#: Seconds a daemon may take to exit after SIGTERM before it is SIGKILLed: more than its
+#: default drain timeout (30 s) and shutdown grace, so a daemon that waits out a holder
+#: is not mistaken for one that ignores SIGTERM.
+STOP_TIMEOUT = 45.0
 #: Seconds between readiness probes.
 POLL = 0.05
 #: The health-check service name that is SERVING once every start-up preload has ended.
@@ -88,7 +90,7 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def shm_segments(tag: str) -> list[str]:
     """Paths of the /dev/shm segments of daemons on the socket whose tag is ``tag``."""
-    prefix = f"{SEGMENT_PREFIX}{tag}-"
+    prefix = tag_prefix(tag)
     return sorted(os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
@@ -186,8 +188,9 @@ class Daemon:
 
         Args:
             timeout: seconds from now.
-            models: also require (``ListModels``) this many models READY and none in
-                another state: the start-up preloads all succeeded.
+            models: also require (``ListModels``) at least this many models, all READY:
+                the start-up preloads all succeeded (a path preloads one model per
+                tensor-parallel rank, so a path can count for several).
 
         Returns:
             Seconds from the start of the process to readiness.
@@ -218,7 +221,7 @@ class Daemon:
         except grpc.RpcError as exc:
             raise DaemonStartError(f"ListModels failed: {exc}", None, self.log()) from None
         ready = [m for m in held if m.state == pb.MODEL_STATE_READY]
-        if len(ready) == expected == len(held):
+        if len(ready) == len(held) >= expected:
             return
         # A path refused at admission never becomes a model: the log says why.
         states = [f"{m.name} {pb.ModelState.Name(m.state)} {m.error}".strip() for m in held]
@@ -334,7 +337,9 @@ def run_daemon(
         )
         try:
             daemon.wait_ready(timeout, models=len(models))
-        except DaemonStartError:
+        except BaseException:
+            # Whatever ends the wait (a refusal, Ctrl-C, a timeout), the daemon must not
+            # outlive it: with new_session it would not even get the terminal's SIGINT.
             with contextlib.suppress(DaemonStopError):
                 daemon.stop_and_check()
             raise
@@ -408,7 +413,12 @@ class DaemonPool:
             HarnessError: it did not log each removal.
         """
         leftover = shm_segments(segment_tag(socket))
-        fresh = self.start((), socket=socket)
+        fresh = self.start((), socket=socket, wait=False)
+        try:
+            fresh.wait_ready()
+        except BaseException:
+            fresh.stop()  # close() has already passed its stop loop: stop it here
+            raise
         rc = fresh.stop()
         log = fresh.log()
         if rc != 0 or shm_segments(fresh.tag):

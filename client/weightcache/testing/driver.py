@@ -173,7 +173,11 @@ class Worker:
         return message
 
     def _died(self) -> WorkerDiedError:
-        self.proc.wait(STOP_TIMEOUT)
+        try:
+            self.proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:  # it closed its stdout but lives on
+            self.proc.kill()
+            self.proc.wait()
         return WorkerDiedError(
             f"worker pid {self.pid} ended with {self.proc.returncode}:\n{self.log()}"
         )
@@ -228,9 +232,19 @@ class WorkerPool:
         return worker
 
     def close(self) -> None:
-        """End every worker (:meth:`Worker.close`)."""
+        """End every worker (:meth:`Worker.close`), each even when one before it fails.
+
+        Raises:
+            Exception: the first failure of a worker's close, after all were tried.
+        """
+        failures: list[BaseException] = []
         for worker in self.workers:
-            worker.close()
+            try:
+                worker.close()
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
 
 @contextlib.contextmanager
