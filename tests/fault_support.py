@@ -175,6 +175,19 @@ class Child:
     def signal(self, sig: signal.Signals) -> None:
         os.kill(self.pid, sig)
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGSTOP the worker and return once every one of its threads is stopped.
+
+        ``kill`` only queues the signal: on a loaded machine a thread of the worker (its
+        KeepAlive stream's) ran on for milliseconds and answered the daemon's REVOKING
+        with a Release, which a test of a holder that never releases must not see.
+        """
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not all(state in "Tt" for state in _thread_states(self.pid)):
+            assert time.monotonic() < deadline, f"worker {self.pid} did not stop"
+            time.sleep(0.001)
+
     def kill(self) -> int | None:
         """SIGKILL the worker and reap it; returns its exit status."""
         self.signal(signal.SIGKILL)
@@ -371,3 +384,14 @@ def proc_status(pid: int) -> Mapping[str, int]:
             if len(parts) == 2 and parts[1] == "kB":
                 out[key] = int(parts[0]) * 1024
     return out
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The state letter (proc(5), field 3 of ``/proc/PID/task/TID/stat``) of each thread."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+                stat = fh.read()
+            states.append(stat[stat.rindex(b")") + 2 :].split()[0].decode())
+    return states

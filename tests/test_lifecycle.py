@@ -202,7 +202,7 @@ def test_sigterm_raise_holder_loses_lease_stopped_holder_holds_drain_to_its_time
         lost_callback=True,
     )
     attach(stopped, checkpoints.single, expected, socket=daemon.socket, ttl=LONG_TTL)
-    stopped.signal(signal.SIGSTOP)
+    stopped.stop()
     acquire = acquire_request(checkpoints.single)
 
     sent = sigterm(daemon)
@@ -283,7 +283,7 @@ def test_forced_evict_revokes_holders_and_frees_after_release(
     assert segment in segments
 
     # With holders: REVOKING; the model stays until the last one has released.
-    stopped.signal(signal.SIGSTOP)
+    stopped.stop()
     snapshot = evict(daemon.socket, "single", force=True).model
     assert (snapshot.name, snapshot.state, snapshot.lease_count) == (
         "single",
@@ -727,7 +727,7 @@ def test_drain_with_a_holder_that_never_releases_exits_on_time(
     )
     stopped = children.one()
     attach(stopped, checkpoints.single, tensor_digest(checkpoints.tensors), socket=daemon.socket)
-    stopped.signal(signal.SIGSTOP)
+    stopped.stop()
 
     sent = sigterm(daemon)
     assert daemon.proc.wait(drain_timeout + 60) == 0
