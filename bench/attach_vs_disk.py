@@ -7,10 +7,15 @@ Run with ``make bench`` or ``.venv/bin/python bench/attach_vs_disk.py [options]`
 2. start ``weightcache preload`` on it (``weightcache.testing.run_daemon``) and wait
    until it is ready;
 3. run ``attach_worker.py`` ``--repeat`` times per mode, modes interleaved, each run a fresh
-   process, timing: ``load()`` zero-copy, ``load(mode="copy")``, ``load_from_disk()``, and
-   the fingerprint alone;
-4. print median and min per mode and the ratio to the disk load of the same run;
+   process, timing (``--modes``): ``load()`` zero-copy, ``load(mode="copy")``,
+   ``load_from_disk()``, ``safetensors.torch.load_file`` of every shard, and the
+   fingerprint alone;
+4. print median and min per mode and the ratio to the ``--baseline`` mode (default
+   ``disk``) of the same run;
 5. stop the daemon, check /dev/shm and the socket are clean, remove the folder.
+
+``--tensors`` takes a comma-separated list (``100,1000,10000``): steps 1-5 then run once per
+count, each with its own checkpoint of ``--size-gib`` and its own daemon.
 
 The machine is shared and noisy: the ratios, measured side by side, are the figures that
 matter. See bench/README.md for recorded results.
@@ -43,11 +48,13 @@ from safetensors.torch import save_file
 from weightcache.testing import Daemon, HarnessError, run_daemon
 
 WORKER = Path(__file__).with_name("attach_worker.py")
-MODES = ("attach", "copy", "disk", "fingerprint")
+MODES = ("attach", "copy", "disk", "safetensors", "fingerprint")
+DEFAULT_MODES = "attach,copy,disk,fingerprint"
 TIMED = {
     "attach": "weightcache.load(dir, socket=S) [zero_copy] + first byte of every tensor",
     "copy": 'weightcache.load(dir, socket=S, mode="copy") + first byte of every tensor',
     "disk": "weightcache.load_from_disk(dir) + first byte of every tensor",
+    "safetensors": "safetensors.torch.load_file(shard) per shard + first byte of every tensor",
     "fingerprint": 'open_checkpoint(dir) + compute_fingerprint(.., "sampled") (part of each)',
 }
 #: safetensors dtype name -> (torch dtype, share of the tensors).
@@ -267,21 +274,29 @@ def run_worker(mode: str, model: Path, socket: str, out: Path) -> dict[str, Any]
 
 
 def measure(
-    model: Path, socket: str, tmp: Path, *, repeat: int, cold: bool, expected: int
+    model: Path,
+    socket: str,
+    tmp: Path,
+    *,
+    modes: Sequence[str],
+    repeat: int,
+    cold: bool,
+    expected: int,
 ) -> dict[str, list[float]]:
-    """Run every mode ``repeat`` times, interleaved; returns seconds per mode.
+    """Run every mode of ``modes`` ``repeat`` times, interleaved; returns seconds per mode.
 
     Raises:
         BenchError: a worker failed, loaded from the wrong source or saw the wrong number
             of tensors.
     """
-    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    sources = {"attach": "cache", "copy": "cache", "disk": "disk", "safetensors": "disk"}
     for _ in range(repeat):
-        for mode in MODES:
+        for mode in modes:
             if cold:
                 drop_caches()
             result = run_worker(mode, model, socket, tmp / "result.json")
-            want_source = {"attach": "cache", "copy": "cache", "disk": "disk"}.get(mode, "-")
+            want_source = sources.get(mode, "-")
             if result["source"] != want_source or result["tensors"] != expected:
                 raise BenchError(
                     f"{mode}: expected {expected} tensors from {want_source}: {result}"
@@ -296,32 +311,39 @@ def fmt_seconds(value: float) -> str:
 
 
 def print_table(
-    seconds: dict[str, list[float]], timed: dict[str, str], width: int, note: tuple[str, str]
+    seconds: dict[str, list[float]],
+    timed: dict[str, str],
+    width: int,
+    note: tuple[str, str],
+    baseline: str = "disk",
 ) -> None:
-    """Median and min per mode (the keys of ``timed``, in order), the disk median over each
-    median, then the two lines of ``note`` and what each mode timed; modes ``width`` wide."""
-    disk = statistics.median(seconds["disk"])
-    print(f"  {'mode':<{width}}{'median':>10}{'min':>10}{'disk / this (medians)':>25}")
-    for mode in timed:
+    """Median, min and max per mode (the keys of ``timed`` that ``seconds`` has, in order),
+    the ``baseline`` mode's median over each median, then the two lines of ``note`` and what
+    each mode timed; modes ``width`` wide."""
+    base = statistics.median(seconds[baseline])
+    ratio = f"{baseline} / this (medians)"
+    print(f"  {'mode':<{width}}{'median':>10}{'min':>10}{'max':>10}{ratio:>32}")
+    measured = [mode for mode in timed if mode in seconds]
+    for mode in measured:
         median = statistics.median(seconds[mode])
         print(
             f"  {mode:<{width}}{fmt_seconds(median):>10}{fmt_seconds(min(seconds[mode])):>10}"
-            f"{disk / median:>24.1f}x"
+            f"{fmt_seconds(max(seconds[mode])):>10}{base / median:>31.2f}x"
         )
     print()
     for line in note:
         print(line)
-    for mode, what in timed.items():
-        print(f"    {mode:<{width}}{what}")
+    for mode in measured:
+        print(f"    {mode:<{width}}{timed[mode]}")
 
 
-def print_results(seconds: dict[str, list[float]]) -> None:
-    """Median and min per mode, and the disk median over each median."""
+def print_results(seconds: dict[str, list[float]], baseline: str) -> None:
+    """Median, min and max per mode, and the ``baseline`` median over each median."""
     note = (
         "  timed, in each worker after its imports (interpreter start, imports and",
         "  close() of the lease are not):",
     )
-    print_table(seconds, TIMED, 12, note)
+    print_table(seconds, TIMED, 12, note, baseline)
 
 
 def print_setup(specs: list[Spec], shards: int, folder: Path, args: argparse.Namespace) -> None:
@@ -334,30 +356,63 @@ def print_setup(specs: list[Spec], shards: int, folder: Path, args: argparse.Nam
         print("  page cache: WARM, the files were just written and the daemon read them")
         print("              (--drop-caches, as root, drops it before every run for cold disk)")
     print(f"  runs: {args.repeat} per mode, modes interleaved, each in a fresh process")
+    print(f"  modes: {', '.join(args.modes)}; ratios against {args.baseline}")
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
+
+
+def _mode_list(text: str) -> list[str]:
+    modes = text.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {MODES}")
+    return modes
 
 
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-gib", type=float, default=2.0, help="checkpoint size, GiB")
-    parser.add_argument("--tensors", type=int, default=300, help="number of tensors")
+    parser.add_argument(
+        "--tensors", type=_int_list, default=[300], help="number of tensors; a list sweeps"
+    )
     parser.add_argument("--shards", type=int, default=4, help="number of shard files")
     parser.add_argument("--repeat", type=int, default=5, help="runs per mode")
     parser.add_argument("--seed", type=int, default=0, help="seed of shapes and values")
     parser.add_argument("--drop-caches", action="store_true", help="cold disk (root only)")
+    parser.add_argument(
+        "--modes", type=_mode_list, default=_mode_list(DEFAULT_MODES), help="modes to time"
+    )
+    parser.add_argument("--baseline", default="disk", help="mode the ratios are against")
     args = parser.parse_args()
-    if min(args.tensors, args.shards, args.repeat) < 1 or args.size_gib <= 0:
+    if min(*args.tensors, args.shards, args.repeat) < 1 or args.size_gib <= 0:
         parser.error("--size-gib, --tensors, --shards and --repeat must be positive")
-    if args.shards > args.tensors:
+    if args.shards > min(args.tensors):
         parser.error("--shards must not exceed --tensors")
+    if args.baseline not in args.modes:
+        parser.error("--baseline must be one of --modes")
     return args
 
 
 def run_bench(args: argparse.Namespace, tmp: Path) -> bool:
-    """Steps 1-5 of the module docstring; True once done (a failure raises)."""
+    """Steps 1-5 of the module docstring for each count of ``--tensors``; True once done
+    (a failure raises)."""
     if args.drop_caches:
         drop_caches()  # fail before spending minutes generating
-    folder, specs = new_checkpoint(tmp, args.tensors, int(args.size_gib * 2**30), args.seed)
+    for number, count in enumerate(args.tensors):
+        if number:
+            print("\n")
+        here = tmp / f"n{count}"
+        here.mkdir()
+        run_count(args, count, here)
+    return True
+
+
+def run_count(args: argparse.Namespace, count: int, tmp: Path) -> None:
+    """Steps 1-5 for one checkpoint of ``count`` tensors, in ``tmp``."""
+    folder, specs = new_checkpoint(tmp, count, int(args.size_gib * 2**30), args.seed)
     print_setup(specs, args.shards, folder, args)
     generate(folder, specs, args)
     with preloaded(folder, tmp, timeout=900) as daemon:
@@ -366,13 +421,13 @@ def run_bench(args: argparse.Namespace, tmp: Path) -> bool:
             folder,
             daemon.socket,
             tmp,
+            modes=args.modes,
             repeat=args.repeat,
             cold=args.drop_caches,
             expected=len(specs),
         )
     print()
-    print_results(seconds)
-    return True
+    print_results(seconds, args.baseline)
 
 
 def main() -> int:
