@@ -30,6 +30,7 @@ from weightcache.core.checkpoint import open_checkpoint
 from weightcache.core.fingerprint import Level, compute_fingerprint
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.testing import METADATA, SINGLE_FILE, STOP_TIMEOUT, Daemon, DaemonPool, child_env
+from weightcache.testing.daemon import wait_or_kill
 from weightcache.testing.protocol import next_event, next_reply, tensor_digest
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -83,11 +84,7 @@ class Zygote:
             assert self.proc.stdin is not None
             with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
-            try:
-                self.proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            wait_or_kill(self.proc)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 

@@ -20,7 +20,6 @@ import torch
 from tests.support import (
     POLL,
     READY_TIMEOUT,
-    STOP_TIMEOUT,
     Checkpoints,
     Daemon,
     DaemonPool,
@@ -36,6 +35,7 @@ from tests.support import (
 )
 from weightcache.core.sockets import default_socket
 from weightcache.core.sockets import segment_tag as socket_tag
+from weightcache.testing.daemon import wait_or_kill
 from weightcache_service.cli import _parser, client_socket, daemon_socket
 
 
@@ -284,13 +284,8 @@ def _default_socket_daemon(
         yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        assert rc == 0, log.read_text(errors="replace")
+        assert not wait_or_kill(proc), "ignored SIGTERM: " + log.read_text(errors="replace")
+        assert proc.returncode == 0, log.read_text(errors="replace")
 
 
 def _world_readable_copy(folder: Path) -> Path:

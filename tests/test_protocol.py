@@ -40,6 +40,7 @@ from weightcache.core.protocol import (
     storage_pb,
     tensor_view_from_pb,
     tensor_view_pb,
+    tensor_views_pb,
     timestamp_from_pb,
     timestamp_pb,
 )
@@ -184,6 +185,10 @@ def test_acquire_round_trips(fingerprint: Fingerprint) -> None:
     no_ttl = Acquisition("", fingerprint, "", None, Environment(), 0)
     assert acquisition_from_pb(acquire_request_pb(no_ttl)) == no_ttl
     assert grant_from_pb(acquire_response_pb(grant)) == grant
+    # The servicer copies in views encoded at a model's first Acquire: the same message.
+    encoded = tensor_views_pb(grant.tensors)
+    assert acquire_response_pb(grant, encoded) == acquire_response_pb(grant)
+    assert list(encoded.tensors) == [tensor_view_pb(v) for v in grant.tensors]
 
 
 def test_server_info_round_trips() -> None:

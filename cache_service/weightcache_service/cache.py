@@ -310,7 +310,7 @@ class WeightCache:
             lease=self._lease_info(lease),
             model=self.info(entry),
             storage=entry.handle,
-            tensors=tuple(entry.views),
+            tensors=entry.views,  # the same tuple every time: the servicer keys on it
             environment=self.environment,
         )
 

@@ -31,7 +31,9 @@ from weightcache.core.protocol import (
     progress_pb,
     recipe_from_pb,
     server_info_pb,
+    tensor_views_pb,
 )
+from weightcache.core.records import Grant, TensorView
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_is_local
@@ -71,6 +73,9 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
 
     def __init__(self, cache: WeightCache) -> None:
         self.cache = cache
+        # Per model name: its views (the cache's own tuple) and their encoding, made at the
+        # model's first Acquire; dropped at Evict, remade when the name holds a new model.
+        self._views: dict[str, tuple[tuple[TensorView, ...], pb.AcquireResponse]] = {}
 
     async def Preload(
         self, request: pb.PreloadRequest, context: Context
@@ -110,7 +115,15 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 "shared-memory handles open only on the daemon's host; connect over its "
                 "Unix socket or a loopback address"
             )
-        return acquire_response_pb(self.cache.acquire(want))
+        grant = self.cache.acquire(want)
+        return acquire_response_pb(grant, self._encoded_views(grant))
+
+    def _encoded_views(self, grant: Grant) -> pb.AcquireResponse:
+        cached = self._views.get(grant.model.name)
+        if cached is None or cached[0] is not grant.tensors:
+            cached = (grant.tensors, tensor_views_pb(grant.tensors))
+            self._views[grant.model.name] = cached
+        return cached[1]
 
     async def KeepAlive(
         self, request_iterator: AsyncIterator[pb.KeepAliveRequest], context: Context
@@ -149,7 +162,9 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     @_unary
     async def Evict(self, request: pb.EvictRequest, context: Context) -> pb.EvictResponse:
         check_len("name", request.name, MAX_PATH_CHARS)
-        return pb.EvictResponse(model=model_pb(self.cache.evict(request.name, request.force)))
+        evicted = self.cache.evict(request.name, request.force)
+        self._views.pop(request.name, None)
+        return pb.EvictResponse(model=model_pb(evicted))
 
     @_unary
     async def GetServerInfo(

@@ -55,7 +55,7 @@ class Entry:
     finished: threading.Event = field(default_factory=threading.Event)
     create_time: float = field(default_factory=time.time)
     load_seconds: float = 0.0
-    views: list[TensorView] = field(default_factory=list)
+    views: tuple[TensorView, ...] = ()
     handle: StorageHandle | None = None
     #: The recipe as applied (plan found, plugin steps): what the model is reported with.
     resolved: Recipe = field(init=False)
@@ -201,7 +201,7 @@ class Store:
                     self._load_tensor(entry, entry.arena, reader, slot)
             # The fingerprint was computed from these files before the load read them.
             entry.checkpoint.check_unchanged()
-            entry.views = [slot.view() for slot in entry.slots]
+            entry.views = tuple(slot.view() for slot in entry.slots)
             # Built once, in the load thread: for CUDA it waits for every copy to land.
             entry.handle = entry.arena.handle()
         except WeightCacheError as exc:

@@ -61,7 +61,6 @@ from weightcache.core.protocol import (
     acquire_request_pb,
     lease_from_pb,
     storage_from_pb,
-    tensor_view_from_pb,
 )
 from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
 from weightcache.core.records import Acquisition, CudaIpcHandle, Environment
@@ -419,7 +418,7 @@ class _Attach:
         # Decoded here, inside run()'s release-on-failure: a handle this SDK cannot read
         # (HandleError) must give the lease back, not leave it to expire.
         storage = storage_from_pb(reply.storage)
-        views = [tensor_view_from_pb(view) for view in reply.tensors]
+        views = reply.tensors  # read as they are (_handles.View): no record per tensor
         copy = self.mode == "copy"
         if isinstance(storage, CudaIpcHandle):
             return open_cuda_ipc(storage, views, copy=copy)

@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 from tests.support import (
     POLL,
     READY_TIMEOUT,
-    STOP_TIMEOUT,
     Checkpoints,
     assert_bitwise_equal,
     child_env,
@@ -31,6 +30,7 @@ from tests.support import (
     health,
     short_tempdir,
 )
+from weightcache.testing.daemon import wait_or_kill
 
 pytestmark = pytest.mark.gpu
 
@@ -90,13 +90,8 @@ def gpu_daemon(
         yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        assert rc == 0, log.read_text(errors="replace")
+        assert not wait_or_kill(proc), "ignored SIGTERM: " + log.read_text(errors="replace")
+        assert proc.returncode == 0, log.read_text(errors="replace")
     assert not Path(socket).exists()
 
 

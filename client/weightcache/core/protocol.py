@@ -506,15 +506,33 @@ def acquisition_from_pb(request: pb.AcquireRequest) -> Acquisition:
     )
 
 
-def acquire_response_pb(grant: Grant) -> pb.AcquireResponse:
-    """A granted Acquire as its response message."""
-    return pb.AcquireResponse(
-        lease=lease_pb(grant.lease),
-        model=model_pb(grant.model),
-        storage=storage_pb(grant.storage),
-        tensors=[tensor_view_pb(v) for v in grant.tensors],
-        environment=environment_pb(grant.environment),
-    )
+def tensor_views_pb(views: Iterable[TensorView]) -> pb.AcquireResponse:
+    """An AcquireResponse holding only ``views`` encoded: what every Acquire of one model
+    repeats, for :func:`acquire_response_pb` to copy in."""
+    return pb.AcquireResponse(tensors=[tensor_view_pb(v) for v in views])
+
+
+def acquire_response_pb(
+    grant: Grant, views: pb.AcquireResponse | None = None
+) -> pb.AcquireResponse:
+    """A granted Acquire as its response message.
+
+    Args:
+        grant: what the Acquire returns.
+        views: ``grant.tensors`` already encoded (:func:`tensor_views_pb`), or None to
+            encode them now. Copying an encoded list is one C-level copy; encoding costs
+            about 1.5 µs per tensor, on every Acquire of a model with tens of thousands.
+    """
+    response = pb.AcquireResponse()
+    if views is None:
+        response.tensors.extend(tensor_view_pb(v) for v in grant.tensors)
+    else:
+        response.CopyFrom(views)
+    response.lease.CopyFrom(lease_pb(grant.lease))
+    response.model.CopyFrom(model_pb(grant.model))
+    response.storage.CopyFrom(storage_pb(grant.storage))
+    response.environment.CopyFrom(environment_pb(grant.environment))
+    return response
 
 
 def grant_from_pb(response: pb.AcquireResponse) -> Grant:

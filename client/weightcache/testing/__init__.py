@@ -62,6 +62,7 @@ from weightcache.testing.daemon import (
     run_daemon,
     shm_segments,
     short_tempdir,
+    wait_or_kill,
 )
 from weightcache.testing.driver import (
     WORKER_COMMAND,
@@ -107,6 +108,7 @@ __all__ = [
     "segment_tag",
     "shm_segments",
     "short_tempdir",
+    "wait_or_kill",
     "worker_pool",
     "write_sharded",
     "write_single",

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -44,6 +45,21 @@ POLL = 0.05
 #: The health-check service name that is SERVING once every start-up preload has ended.
 #: The log line a daemon writes for each segment of a dead predecessor it removes.
 REMOVED_SEGMENT = "removed a dead daemon's segment"
+
+
+def wait_or_kill(proc: subprocess.Popen[Any], timeout: float = STOP_TIMEOUT) -> bool:
+    """Wait up to ``timeout`` seconds for ``proc`` to exit, else SIGKILL and reap it.
+
+    Returns:
+        Whether it had to be killed.
+    """
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return True
+    return False
 
 
 class HarnessError(AssertionError):
@@ -242,15 +258,11 @@ class Daemon:
         """
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            if wait_or_kill(self.proc):
                 self.killed = True
                 raise DaemonStopError(
                     f"daemon pid {self.pid} ignored SIGTERM; SIGKILLed:\n{self.log()}"
-                ) from None
+                )
         return self.proc.returncode
 
     def kill(self) -> float:

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from weightcache.testing.daemon import STOP_TIMEOUT, HarnessError, child_env
+from weightcache.testing.daemon import STOP_TIMEOUT, HarnessError, child_env, wait_or_kill
 from weightcache.testing.protocol import next_event, next_reply
 
 #: Seconds a worker may take to answer one command (its first one waits for its imports,
@@ -173,11 +173,7 @@ class Worker:
         return message
 
     def _died(self) -> WorkerDiedError:
-        try:
-            self.proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:  # it closed its stdout but lives on
-            self.proc.kill()
-            self.proc.wait()
+        wait_or_kill(self.proc)  # it may have closed its stdout yet live on
         return WorkerDiedError(
             f"worker pid {self.pid} ended with {self.proc.returncode}:\n{self.log()}"
         )
@@ -194,11 +190,7 @@ class Worker:
             assert self.proc.stdin is not None
             with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
-            try:
-                self.proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            wait_or_kill(self.proc)
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 with contextlib.suppress(BrokenPipeError):
