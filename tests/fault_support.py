@@ -327,12 +327,13 @@ def disk_digest(path: str | os.PathLike[str]) -> str:
 
 
 def acquire_request(path: str | os.PathLike[str], level: Level = "sampled") -> pb.AcquireRequest:
-    """The AcquireRequest ``weightcache.load(path)`` sends (stored recipe, rank 0 of 1)."""
+    """The AcquireRequest by fingerprint that ``weightcache.load(path)`` sends when no model
+    was loaded from its very files (stored recipe, rank 0 of 1)."""
     checkpoint = open_checkpoint(path)
     placement = Placement()
     pipeline = Recipe().build(checkpoint, placement)
     fp = compute_fingerprint(checkpoint, pipeline, placement, level)
-    return _acquire_request(checkpoint, fp, 10.0)
+    return _acquire_request(checkpoint.root, fp, 10.0)
 
 
 def keepalive_once(socket_path: str, lease_ids: list[str]) -> pb.KeepAliveResponse:

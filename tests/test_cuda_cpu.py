@@ -46,7 +46,7 @@ from weightcache.core.errors import (
     WeightCacheError,
 )
 from weightcache.core.protocol import tensor_view_pb
-from weightcache.core.records import CudaIpcHandle, TensorView
+from weightcache.core.records import CudaIpcHandle, TensorView, ViewRow
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import plan_slots
 from weightcache_service.cli import _parser
@@ -183,9 +183,13 @@ def test_local_index_without_a_cuda_device_is_device_not_visible(
 # -- refusals before any CUDA call -------------------------------------------------------
 
 
-def _views() -> list[TensorView]:
+def _records() -> list[TensorView]:
     slots, _ = plan_slots([("w", "BF16", (4, 8)), ("q", "F8_E4M3", (16,))])
     return [slot.view() for slot in slots]
+
+
+def _views() -> list[ViewRow]:
+    return [view.row() for view in _records()]
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["zero_copy", "copy"])
@@ -233,7 +237,7 @@ def test_attach_maps_a_cuda_handle_it_cannot_see_to_device_not_visible(
         storage=pb.StorageHandle(
             cuda_ipc=pb.CudaIpcHandle(device_uuid=ABSENT, ipc_handle=RAW, size=512)
         ),
-        tensors=[tensor_view_pb(v) for v in _views()],
+        tensors=[tensor_view_pb(v) for v in _records()],
     )
 
     with pytest.raises(DeviceNotVisibleError) as raised:
@@ -246,7 +250,7 @@ def test_attach_maps_a_cuda_handle_it_cannot_see_to_device_not_visible(
 
 def test_attach_refuses_a_reply_without_a_handle() -> None:
     reply = pb.AcquireResponse(
-        lease=pb.Lease(lease_id="l" * 32), tensors=[tensor_view_pb(v) for v in _views()]
+        lease=pb.Lease(lease_id="l" * 32), tensors=[tensor_view_pb(v) for v in _records()]
     )
 
     with pytest.raises(HandleError) as raised:

@@ -3,10 +3,12 @@ and requests are refused while decoding with the field named."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from tests.support import Checkpoints, run_cli
-from weightcache.core.checkpoint import open_checkpoint
+from weightcache.core.checkpoint import INDEX_FILE, MAX_FILES, FileIdentity, open_checkpoint
 from weightcache.core.errors import HandleError, InvalidArgumentError
 from weightcache.core.fingerprint import Fingerprint, compute_fingerprint
 from weightcache.core.plugins import PluginStep
@@ -43,6 +45,7 @@ from weightcache.core.protocol import (
     tensor_views_pb,
     timestamp_from_pb,
     timestamp_pb,
+    view_rows_from_pb,
 )
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.records import (
@@ -191,6 +194,75 @@ def test_acquire_round_trips(fingerprint: Fingerprint) -> None:
     assert list(encoded.tensors) == [tensor_view_pb(v) for v in grant.tensors]
 
 
+def test_acquire_by_files_round_trips(fingerprint: Fingerprint) -> None:
+    by_files = Fingerprint("", "full", {"format": "1" * 64, "recipe": "2" * 64})
+    files = {
+        INDEX_FILE: FileIdentity(1, 2, 3, 4, 5),
+        "model.safetensors": FileIdentity(2**64 - 1, 2**64 - 2, 2**63 - 1, -1, 2**63 - 1),
+    }
+    want = Acquisition("r", by_files, "/m", None, Environment(), 7, files, "table")
+
+    assert acquisition_from_pb(acquire_request_pb(want)) == want
+    unknown = acquire_request_pb(want)
+    unknown.tensor_format = 99  # type: ignore[assignment]
+    assert acquisition_from_pb(unknown).tensor_format == "views"
+    assert acquisition_from_pb(pb.AcquireRequest(fingerprint=fingerprint_pb(fingerprint))) == (
+        Acquisition("", fingerprint, "", None, Environment(), 0, {}, "views")
+    )
+
+
+def _grant(fingerprint: Fingerprint) -> Grant:
+    slots, size = plan_slots(
+        [("w", "BF16", (4, 3, 2)), ("b", "F32", (5,)), ("s", "I64", ()), ("e", "F16", (0, 4))]
+    )
+    return Grant(
+        lease=LeaseInfo("l1", "sharded", 12.5, WHEN, "i1"),
+        model=_model(fingerprint),
+        storage=SharedMemoryHandle("/dev/shm/weightcache-y", size),
+        tensors=tuple(slot.view() for slot in slots),
+        environment=Environment("1.0", "2.5", "cpu_shm", ""),
+    )
+
+
+def test_a_tensor_table_holds_the_same_views_as_the_list(fingerprint: Fingerprint) -> None:
+    grant = _grant(fingerprint)
+
+    table = acquire_response_pb(grant, tensor_views_pb(grant.tensors, "table"))
+
+    assert not table.tensors
+    assert list(table.tensor_table.dtypes) == ["BF16", "F32", "I64", "F16"]
+    assert list(table.tensor_table.ranks) == [3, 1, 0, 2]
+    assert grant_from_pb(table) == grant
+    assert list(view_rows_from_pb(table)) == [v.row() for v in grant.tensors]
+    assert list(view_rows_from_pb(acquire_response_pb(grant))) == [v.row() for v in grant.tensors]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "detail"),
+    [
+        (lambda t: t.names.append("extra"), "differ in length"),
+        (lambda t: t.byte_offsets.pop(), "differ in length"),
+        (lambda t: t.shape.pop(), "sum(ranks)"),
+        (lambda t: t.stride.append(1), "sum(ranks)"),
+        (lambda t: t.ranks.__setitem__(0, 2), "sum(ranks)"),
+        (lambda t: t.dtype_index.__setitem__(1, 4), "past the 4 dtypes"),
+    ],
+    ids=["names", "offsets", "shape", "stride", "ranks", "dtype-index"],
+)
+def test_a_malformed_tensor_table_is_a_handle_error(
+    fingerprint: Fingerprint, spoil: Callable[[pb.TensorTable], object], detail: str
+) -> None:
+    grant = _grant(fingerprint)
+    reply = acquire_response_pb(grant, tensor_views_pb(grant.tensors, "table"))
+    spoil(reply.tensor_table)
+
+    with pytest.raises(HandleError) as caught:
+        view_rows_from_pb(reply)
+
+    assert caught.value.reason == "INVALID_HANDLE"
+    assert detail in str(caught.value)
+
+
 def test_server_info_round_trips() -> None:
     info = ServerInfo(
         "1.0", "weightcache.v1", "2.5", "cuda_ipc", "cuda:0", "GPU-1", 1 << 30, 0, "i1", WHEN
@@ -218,6 +290,10 @@ def test_server_info_round_trips() -> None:
             pb.AcquireRequest(fingerprint=pb.Fingerprint(digest="a" * 64), ttl=duration_pb(-1.0)),
             "ttl",
         ),
+        # Only an Acquire by file identity may leave the digest out.
+        (pb.AcquireRequest(fingerprint=pb.Fingerprint()), "fingerprint.digest"),
+        (pb.AcquireRequest(files=[pb.CheckpointFile(name="f")] * (MAX_FILES + 1)), "files"),
+        (pb.AcquireRequest(files=[pb.CheckpointFile(name="f" * 4097)]), "files.name"),
     ],
 )
 def test_acquire_requests_are_checked_while_decoding(
@@ -247,6 +323,7 @@ def test_the_numbers_the_contract_and_the_cli_repeat_in_text_match_their_homes()
 
     proto = Path(__file__).parent.parent / "protos/weightcache/v1/weight_cache_service.proto"
     assert f"Unset means {DEFAULT_TTL:g} s." in proto.read_text()
+    assert f"At most {MAX_FILES} files." in proto.read_text()
     assert (MIN_TTL, DEFAULT_TTL, MAX_TTL) == (1.0, 10.0, 300.0)
     shown = run_cli("preload", "--help")
     text = " ".join(shown.stdout.split())  # argparse wraps the help to the terminal

@@ -92,7 +92,10 @@ from tests.support import (
     service_stub,
     shm_segments,
 )
-from weightcache.core.protocol import fingerprint_pb
+from weightcache.core.checkpoint import open_checkpoint
+from weightcache.core.fingerprint import compute_fingerprint
+from weightcache.core.protocol import fingerprint_pb, tensor_table_pb, tensor_view_from_pb
+from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.sockets import segment_tag as socket_tag
 from weightcache.testing import READY_TIMEOUT
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -820,8 +823,10 @@ class _RogueServicer(pb_grpc.WeightCacheServiceServicer):
     def __init__(self) -> None:
         self.reply = pb.AcquireResponse()
         self.released: list[str] = []
+        self.acquired: list[pb.AcquireRequest] = []
 
     def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
+        self.acquired.append(request)
         return self.reply
 
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
@@ -862,9 +867,12 @@ def rogue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rogue]:
     scratch = [segment]
     try:
         Path(segment).write_bytes(bytes(arena))
+        with open_checkpoint(model) as checkpoint:
+            fp = compute_fingerprint(checkpoint, Recipe(), Placement(), "sampled")
         good = pb.AcquireResponse(
             lease=pb.Lease(lease_id="rogue-lease", model="tiny", instance_id="rogue"),
-            model=pb.Model(name="tiny", state=pb.MODEL_STATE_READY),
+            # The fingerprint the model has: an Acquire by file identity takes the reply.
+            model=pb.Model(name="tiny", state=pb.MODEL_STATE_READY, fingerprint=fingerprint_pb(fp)),
             storage=pb.StorageHandle(shared_memory=pb.SharedMemoryHandle(path=segment, size=512)),
             tensors=[
                 pb.TensorView(name="w", dtype="F32", shape=[6], stride=[1], byte_offset=0),
@@ -897,6 +905,14 @@ def _rogue_path(rogue: Rogue, kind: str) -> str:
         shutil.copyfile(rogue.segment, path)
         os.chown(path, NOBODY, NOBODY)
     return path
+
+
+def _table(reply: pb.AcquireResponse, spoil: Callable[[pb.TensorTable], object]) -> None:
+    """List the reply's views as a table instead, then spoil the table."""
+    views = [tensor_view_from_pb(v) for v in reply.tensors]
+    del reply.tensors[:]
+    reply.tensor_table.CopyFrom(tensor_table_pb(views))
+    spoil(reply.tensor_table)
 
 
 def _view(reply: pb.AcquireResponse, **fields: Any) -> None:
@@ -939,6 +955,14 @@ ROGUE_CASES: dict[str, tuple[Callable[[Rogue, pb.AcquireResponse], None], str]] 
     "misaligned-offset": (lambda r, reply: _view(reply, byte_offset=2), "misaligned byte_offset"),
     "stride-disagrees": (lambda r, reply: _view(reply, stride=[1, 1]), "disagree"),
     "negative-stride": (lambda r, reply: _view(reply, stride=[-1]), "disagree"),
+    "table-ranks-disagree": (
+        lambda r, reply: _table(reply, lambda t: t.ranks.__setitem__(0, 2)),
+        "tensor table: shape and stride do not hold sum(ranks) entries",
+    ),
+    "table-view-past-the-end": (
+        lambda r, reply: _table(reply, lambda t: t.byte_offsets.__setitem__(1, 496)),
+        "reaches past the",
+    ),
 }
 
 
@@ -968,6 +992,8 @@ def test_client_refuses_a_bad_handle_and_releases_it(rogue: Rogue, case: str) ->
     assert weights.fallback_reason.code == "INVALID_HANDLE"
     assert detail in weights.fallback_reason.detail
     assert rogue.servicer.released[-1] == f"lease-{case}"
+    # The handle was refused on the Acquire by file identity, and not asked for again.
+    assert rogue.servicer.acquired[-1].files
     assert_bitwise_equal(weights.tensors, weightcache.load_from_disk(rogue.model).tensors)
 
 

@@ -281,7 +281,8 @@ class WeightCache:
             raise DrainingError("the daemon is draining; load from disk or retry elsewhere")
 
     def acquire(self, want: Acquisition) -> Grant:
-        """Lease the READY model whose fingerprint ``want`` names.
+        """Lease the READY model whose fingerprint ``want`` names, or (with ``want.files``)
+        which was loaded from the worker's very files.
 
         Raises:
             DrainingError: the daemon is draining.
@@ -294,7 +295,7 @@ class WeightCache:
         """
         self.check_open()
         try:
-            entry = self.store.find(want.fingerprint, want.checkpoint_path)
+            entry = self._find(want)
         except (FingerprintMismatchError, ModelNotFoundError) as err:
             if self.starting:
                 raise ModelLoadingError(
@@ -305,7 +306,8 @@ class WeightCache:
         if entry.handle is None:
             raise ModelLoadingError(f"model {entry.name!r} is not ready")
         lease = self.leases.grant(entry.name, want.ttl, want.request_id, want.pid)
-        log.info("acquired", model=entry.name, lease=lease.lease_id[:8], pid=want.pid)
+        match = "files" if want.files else "fingerprint"
+        log.info("acquired", model=entry.name, lease=lease.lease_id[:8], pid=want.pid, match=match)
         return Grant(
             lease=self._lease_info(lease),
             model=self.info(entry),
@@ -313,6 +315,13 @@ class WeightCache:
             tensors=entry.views,  # the same tuple every time: the servicer keys on it
             environment=self.environment,
         )
+
+    def _find(self, want: Acquisition) -> Entry:
+        if want.files:
+            return self.store.find_by_files(
+                want.fingerprint.components, want.files, want.checkpoint_path
+            )
+        return self.store.find(want.fingerprint, want.checkpoint_path)
 
     def _with_skew(self, err: WeightCacheError, client: Environment) -> WeightCacheError:
         """Say so when a miss comes with a version skew: the environment stamp is kept out

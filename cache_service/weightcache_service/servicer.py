@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import grpc
 
@@ -33,7 +33,7 @@ from weightcache.core.protocol import (
     server_info_pb,
     tensor_views_pb,
 )
-from weightcache.core.records import Grant, TensorView
+from weightcache.core.records import Grant, TensorFormat, TensorView
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_is_local
@@ -73,9 +73,12 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
 
     def __init__(self, cache: WeightCache) -> None:
         self.cache = cache
-        # Per model name: its views (the cache's own tuple) and their encoding, made at the
-        # model's first Acquire; dropped at Evict, remade when the name holds a new model.
-        self._views: dict[str, tuple[tuple[TensorView, ...], pb.AcquireResponse]] = {}
+        # Per model name and tensor format: its views (the cache's own tuple) and their
+        # encoding, made at the first Acquire that asks for it; dropped at Evict, remade
+        # when the name holds a new model.
+        self._views: dict[
+            tuple[str, TensorFormat], tuple[tuple[TensorView, ...], pb.AcquireResponse]
+        ] = {}
 
     async def Preload(
         self, request: pb.PreloadRequest, context: Context
@@ -116,13 +119,14 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 "Unix socket or a loopback address"
             )
         grant = self.cache.acquire(want)
-        return acquire_response_pb(grant, self._encoded_views(grant))
+        return acquire_response_pb(grant, self._encoded_views(grant, want.tensor_format))
 
-    def _encoded_views(self, grant: Grant) -> pb.AcquireResponse:
-        cached = self._views.get(grant.model.name)
+    def _encoded_views(self, grant: Grant, tensor_format: TensorFormat) -> pb.AcquireResponse:
+        key = (grant.model.name, tensor_format)
+        cached = self._views.get(key)
         if cached is None or cached[0] is not grant.tensors:
-            cached = (grant.tensors, tensor_views_pb(grant.tensors))
-            self._views[grant.model.name] = cached
+            cached = (grant.tensors, tensor_views_pb(grant.tensors, tensor_format))
+            self._views[key] = cached
         return cached[1]
 
     async def KeepAlive(
@@ -163,7 +167,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     async def Evict(self, request: pb.EvictRequest, context: Context) -> pb.EvictResponse:
         check_len("name", request.name, MAX_PATH_CHARS)
         evicted = self.cache.evict(request.name, request.force)
-        self._views.pop(request.name, None)
+        for tensor_format in get_args(TensorFormat):
+            self._views.pop((request.name, tensor_format), None)
         return pb.EvictResponse(model=model_pb(evicted))
 
     @_unary

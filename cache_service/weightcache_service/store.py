@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from weightcache.core.checkpoint import Checkpoint
+from weightcache.core.checkpoint import Checkpoint, FileIdentity
 from weightcache.core.errors import (
     FingerprintMismatchError,
     ModelExistsError,
@@ -24,7 +24,7 @@ from weightcache.core.errors import (
     ResourceExhaustedError,
     WeightCacheError,
 )
-from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.fingerprint import REQUEST_COMPONENTS, Fingerprint
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.core.records import LoadProgress, ModelInfo, ModelState, StorageHandle, TensorView
@@ -59,9 +59,21 @@ class Entry:
     handle: StorageHandle | None = None
     #: The recipe as applied (plan found, plugin steps): what the model is reported with.
     resolved: Recipe = field(init=False)
+    #: Every file the load read (shards, index), by name, as it was when opened.
+    files: dict[str, FileIdentity] = field(init=False)
 
     def __post_init__(self) -> None:
         self.resolved = self.pipeline.resolved()
+        self.files = self.checkpoint.file_identities()
+
+    def loaded_from(self, components: dict[str, str], files: dict[str, FileIdentity]) -> bool:
+        """Whether this model has the request components ``components`` (format, placement,
+        recipe) and was loaded from ``files``: each file it read is there, by name, with the
+        same identity (dev, inode, size, mtime, ctime), so it is the same file, unchanged."""
+        mine = self.fingerprint.components
+        if any(mine.get(name) != components.get(name) for name in REQUEST_COMPONENTS):
+            return False
+        return bool(self.files) and all(files.get(n) == i for n, i in self.files.items())
 
     def progress(self) -> LoadProgress:
         """How far the load has come."""
@@ -280,6 +292,31 @@ class Store:
         raise FingerprintMismatchError(
             f"held model {entry.name!r} ({held}) differs in {', '.join(differing)}",
             metadata={"model": entry.name, "components": ",".join(differing)},
+        )
+
+    def find_by_files(
+        self, components: dict[str, str], files: dict[str, FileIdentity], path: str
+    ) -> Entry:
+        """The READY model loaded from ``files`` with the request ``components`` (format,
+        placement, recipe): an Acquire by file identity (:meth:`Entry.loaded_from`).
+
+        Raises:
+            ModelLoadingError, ResourceExhaustedError, ModelFailedError: as :meth:`find`,
+                for the model that matches when none that matches is READY.
+            ModelNotFoundError: no model was loaded from these files with these components
+                (the worker then sends its whole fingerprint to :meth:`find`).
+        """
+        matches = [
+            e
+            for e in self._entries.values()
+            if e.state != "evicting" and e.loaded_from(components, files)
+        ]
+        for entry in sorted(matches, key=lambda e: e.state != "ready"):
+            return _ready(entry)
+        raise ModelNotFoundError(
+            f"no held model was loaded from the files of {clip(path)} with this recipe, "
+            "placement and fingerprint level",
+            metadata={"path": clip(path)},
         )
 
     def remove(self, name: str) -> Entry:

@@ -11,40 +11,20 @@ matches (:mod:`weightcache.core.cuda`); the views are device tensors over that m
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import stat
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from weightcache.core.cuda import local_index, open_ipc
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import HandleError
-from weightcache.core.records import CudaIpcHandle, SharedMemoryHandle
+from weightcache.core.records import CudaIpcHandle, SharedMemoryHandle, ViewRow
 from weightcache.core.sockets import SHM_DIR
-
-
-class View(Protocol):
-    """What :func:`build_views` reads of one tensor view: a
-    :class:`weightcache.core.records.TensorView`, or the wire's ``TensorView`` message
-    itself. The attach path hands over the reply's messages as they are: decoding tens of
-    thousands of them into records first cost about 3 µs each, for the same five fields."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def shape(self) -> Sequence[int]: ...
-    @property
-    def stride(self) -> Sequence[int]: ...
-    @property
-    def byte_offset(self) -> int: ...
 
 
 @dataclass
@@ -63,15 +43,20 @@ class MappedArena:
     # id -> weak reference, not a WeakSet: a WeakSet compares two references to one tensor
     # with Tensor.__eq__ (elementwise), so tracking a tensor twice raised RuntimeError.
     _tracked: dict[int, weakref.ref[torch.Tensor]] = field(default_factory=dict)
+    _on_device: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        for tensor in self.tensors.values():
+        # A CPU arena is privatized under its views without re-pointing any: nothing to
+        # track (a weak reference per tensor cost about 1 µs of each attach).
+        self._on_device = self.base.device.type != "cpu"
+        for tensor in self.tensors.values() if self._on_device else ():
             self.track(tensor)
 
     def track(self, tensor: torch.Tensor) -> None:
         """Also re-point ``tensor`` (a view of the arena, e.g. an ``nn.Parameter`` made
-        from one) when the arena is privatized on a device."""
-        self._tracked[id(tensor)] = weakref.ref(tensor)
+        from one) when the arena is privatized on a device (nothing to do on CPU)."""
+        if self._on_device:
+            self._tracked[id(tensor)] = weakref.ref(tensor)
 
     def privatize(self) -> None:
         """Give this process its own copy of the arena, under every existing view.
@@ -104,7 +89,7 @@ class MappedArena:
 
 def open_shared_memory(
     handle: SharedMemoryHandle,
-    views: Sequence[View],
+    views: Iterable[ViewRow],
     *,
     copy: bool,
     owner: int | None = None,
@@ -143,7 +128,7 @@ def open_shared_memory(
     return MappedArena(tensors=build_views(base, views), base=base, size=size)
 
 
-def open_cuda_ipc(handle: CudaIpcHandle, views: Sequence[View], *, copy: bool) -> MappedArena:
+def open_cuda_ipc(handle: CudaIpcHandle, views: Iterable[ViewRow], *, copy: bool) -> MappedArena:
     """Open a CUDA IPC arena on the local device with the handle's UUID.
 
     Args:
@@ -186,43 +171,54 @@ def _open_regular(path: str) -> int:
     return fd
 
 
-def build_views(base: torch.Tensor, views: Sequence[View]) -> dict[str, torch.Tensor]:
+def build_views(base: torch.Tensor, views: Iterable[ViewRow]) -> dict[str, torch.Tensor]:
     """Build one tensor per view of a 1-D ``uint8`` tensor holding the arena.
+
+    The bounds are torch's own: ``torch.as_strided`` refuses a view that reaches past its
+    storage (``checkInBoundsForStorage``), a negative size or stride, or a stride list of
+    another length than the shape; its refusal becomes a :class:`HandleError` naming the
+    tensor. What torch does not check of a view (its byte offset's alignment and, for an
+    empty view, its place) is checked here. Per view, only that is done: at tens of
+    thousands of tensors the view itself is most of the time.
 
     Raises:
         HandleError: a view has an unknown dtype, a misaligned offset, a stride list of the
-            wrong length, or reaches past the end of the arena.
+            wrong length, a negative size or stride, or reaches past the end of the arena.
     """
-    typed: dict[str, torch.Tensor] = {}
+    typed: dict[str, tuple[torch.Tensor, int]] = {}
     out: dict[str, torch.Tensor] = {}
-    for view in views:
-        dtype = TORCH_DTYPES.get(view.dtype)
-        if dtype is None:
-            raise HandleError(f"tensor {view.name!r}: unknown dtype {view.dtype!r}")
-        shape, stride = tuple(view.shape), tuple(view.stride)
-        _check_view(view, shape, stride, dtype.itemsize, base.numel())
-        if view.dtype not in typed:
-            typed[view.dtype] = base.view(dtype)
-        out[view.name] = torch.as_strided(
-            typed[view.dtype], shape, stride, view.byte_offset // dtype.itemsize
-        )
+    size = base.numel()
+    as_strided = torch.as_strided
+    for row in views:
+        name, dtype, shape, stride, offset = row
+        arena, item = typed.get(dtype) or _typed(base, dtype, name, typed)
+        if offset % item:
+            raise HandleError(f"tensor {name!r}: misaligned byte_offset {offset}")
+        if not 0 <= offset <= size:
+            raise HandleError(f"tensor {name!r}: reaches past the {size}-byte arena")
+        try:
+            out[name] = as_strided(arena, shape, stride, offset // item)
+        except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+            raise _view_error(row, size, exc) from None
     return out
 
 
-def _check_view(
-    view: View,
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    item: int,
-    size: int,
-) -> None:
+def _typed(
+    base: torch.Tensor, dtype: str, name: str, typed: dict[str, tuple[torch.Tensor, int]]
+) -> tuple[torch.Tensor, int]:
+    """The arena viewed as ``dtype`` (its whole elements), and the dtype's item size."""
+    torch_dtype = TORCH_DTYPES.get(dtype)
+    if torch_dtype is None:
+        raise HandleError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    item = torch_dtype.itemsize
+    typed[dtype] = (base[: base.numel() - base.numel() % item].view(torch_dtype), item)
+    return typed[dtype]
+
+
+def _view_error(row: ViewRow, size: int, exc: Exception) -> HandleError:
+    name, _, shape, stride, _ = row
     if len(stride) != len(shape) or any(s < 0 for s in (*shape, *stride)):
-        raise HandleError(f"tensor {view.name!r}: shape {shape} and stride {stride} disagree")
-    if view.byte_offset < 0 or view.byte_offset % item:
-        raise HandleError(f"tensor {view.name!r}: misaligned byte_offset {view.byte_offset}")
-    if math.prod(shape) == 0:
-        extent = 0
-    else:
-        extent = (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))) * item
-    if view.byte_offset + extent > size:
-        raise HandleError(f"tensor {view.name!r}: reaches past the {size}-byte arena")
+        return HandleError(f"tensor {name!r}: shape {shape} and stride {stride} disagree")
+    if "out of bounds" in str(exc):
+        return HandleError(f"tensor {name!r}: reaches past the {size}-byte arena")
+    return HandleError(f"tensor {name!r}: cannot be viewed: {exc}")

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal, Unpack
 
 import structlog
@@ -47,7 +48,12 @@ from weightcache._lease import (
 )
 from weightcache._options import LoadKeywords, LoadOptions, Mode, resolve
 from weightcache._trust import check_socket, trusted_uids
-from weightcache.core.checkpoint import Checkpoint, open_checkpoint
+from weightcache.core.checkpoint import (
+    Checkpoint,
+    FileIdentity,
+    file_identities,
+    open_checkpoint,
+)
 from weightcache.core.errors import (
     DaemonUnavailableError,
     FingerprintMismatchError,
@@ -55,12 +61,20 @@ from weightcache.core.errors import (
     ModelLoadingError,
     WeightCacheError,
 )
-from weightcache.core.fingerprint import DEFAULT_LEVEL, Fingerprint, Level, compute_fingerprint
+from weightcache.core.fingerprint import (
+    DEFAULT_LEVEL,
+    Fingerprint,
+    Level,
+    compute_fingerprint,
+    request_components,
+)
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.protocol import (
     acquire_request_pb,
+    fingerprint_from_pb,
     lease_from_pb,
     storage_from_pb,
+    view_rows_from_pb,
 )
 from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
 from weightcache.core.records import Acquisition, CudaIpcHandle, Environment
@@ -127,22 +141,37 @@ class LoadedWeights:
         *,
         source: Source,
         fingerprint: Fingerprint,
-        checkpoint: Checkpoint,
+        checkpoint: Checkpoint | Path,
         fallback_reason: FallbackReason | None = None,
         lease: ClientLease | None = None,
         socket: str | None = None,
         model: str | None = None,
         arena: MappedArena | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         self._tensors = tensors
         self._arena = arena
+        self._checkpoint = checkpoint
+        self._metadata = metadata
         self.source: Source = source
         self.fingerprint = fingerprint
-        self.checkpoint = checkpoint
         self.fallback_reason = fallback_reason
         self.lease = lease
         self.socket = socket
         self.model = model
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The checkpoint's headers (its files closed). Weights attached by file identity
+        never read them: they are read from the folder at first access.
+
+        Raises:
+            InvalidCheckpointError: read at first access, the checkpoint is malformed.
+        """
+        if isinstance(self._checkpoint, Path):
+            with open_checkpoint(self._checkpoint) as checkpoint:
+                self._checkpoint = checkpoint
+        return self._checkpoint
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -157,8 +186,10 @@ class LoadedWeights:
 
     @property
     def metadata(self) -> dict[str, str]:
-        """The checkpoint's safetensors ``__metadata__``."""
-        return self.checkpoint.metadata
+        """The checkpoint's safetensors ``__metadata__`` (of its first shard)."""
+        if self._metadata is None:
+            self._metadata = self.checkpoint.metadata
+        return self._metadata
 
     @property
     def lease_lost(self) -> LeaseLostError | None:
@@ -241,22 +272,78 @@ def load(
             daemon refused the request for a reason that loading from disk would hide.
     """
     opts = resolve(options, keywords)
-    with _gc_paused(), open_checkpoint(model_dir) as checkpoint:
+    with _gc_paused():
         placement = Placement(opts.tp_rank, opts.tp_size)
-        pipeline = _recipe_of(opts).build(checkpoint, placement)
-        fp = compute_fingerprint(checkpoint, pipeline, placement, opts.fingerprint_level)
-        checkpoint.check_unchanged()  # else the fingerprint may mix two versions
-        try:
-            return _Attach.of(opts).run(checkpoint, fp)
-        except WeightCacheError as err:
-            if not opts.fallback or err.reason not in _FALLBACK_REASONS:
-                raise
-            components = tuple(err.components) if isinstance(err, FingerprintMismatchError) else ()
-            reason = FallbackReason(err.reason, err.detail, components)
-        log.warning(
-            "loading from disk", reason=reason.code, detail=reason.detail, path=str(checkpoint.root)
-        )
-        return _from_disk(checkpoint, pipeline, fp, reason)
+        recipe = _recipe_of(opts)
+        attempt = _attach_by_files(model_dir, recipe, placement, opts)
+        if isinstance(attempt, LoadedWeights):
+            return attempt
+        with open_checkpoint(model_dir) as checkpoint:
+            return _load_checkpoint(checkpoint, recipe, placement, opts, attempt)
+
+
+def _load_checkpoint(
+    checkpoint: Checkpoint,
+    recipe: Recipe,
+    placement: Placement,
+    opts: LoadOptions,
+    refusal: WeightCacheError | None,
+) -> LoadedWeights:
+    """Attach by fingerprint, or load from disk; ``refusal`` is the daemon's final answer
+    to an Acquire by file identity, which is not asked again."""
+    pipeline = recipe.build(checkpoint, placement)
+    fp = compute_fingerprint(checkpoint, pipeline, placement, opts.fingerprint_level)
+    checkpoint.check_unchanged()  # else the fingerprint may mix two versions
+    try:
+        if refusal is not None:
+            raise refusal
+        return _Attach.of(opts).run(checkpoint, fp)
+    except WeightCacheError as err:
+        if not opts.fallback or err.reason not in _FALLBACK_REASONS:
+            raise
+        components = tuple(err.components) if isinstance(err, FingerprintMismatchError) else ()
+        reason = FallbackReason(err.reason, err.detail, components)
+    log.warning(
+        "loading from disk", reason=reason.code, detail=reason.detail, path=str(checkpoint.root)
+    )
+    return _from_disk(checkpoint, pipeline, fp, reason)
+
+
+#: Answers to an Acquire by file identity that the whole fingerprint may change: the
+#: daemon knows no model loaded from these files (or, an older daemon, no such request).
+_ASK_BY_FINGERPRINT = frozenset({"MODEL_NOT_FOUND", "FINGERPRINT_MISMATCH", "INVALID_ARGUMENT"})
+
+
+def _attach_by_files(
+    model_dir: str | os.PathLike[str], recipe: Recipe, placement: Placement, opts: LoadOptions
+) -> LoadedWeights | WeightCacheError | None:
+    """Attach without reading the checkpoint: ask for the model loaded from these very
+    files (same dev, inode, size, mtime, ctime), whose headers and content the daemon has
+    validated and fingerprinted. Per tensor, only its view is built.
+
+    Returns:
+        The weights; or the daemon's final refusal (unavailable, loading past
+        ``wait_timeout``, failed, draining, a handle that cannot be opened...), which
+        loading by fingerprint would meet again; or None when the fingerprint is to be
+        computed and sent (no model from these files, a recipe or option the slow path
+        reports, a folder that cannot be listed).
+    """
+    found = file_identities(model_dir)
+    if found is None:
+        return None
+    root, files = found
+    try:
+        identity = recipe.identity(root, placement)
+        components = request_components(identity, placement, opts.fingerprint_level)
+        attach = _Attach.of(opts)
+    except ValueError:  # RecipeError included: building the recipe raises it again
+        return None
+    except WeightCacheError as err:  # DeviceNotVisibleError: the device names the socket
+        return err
+    try:
+        return attach.run_by_files(root, components, files, opts.fingerprint_level)
+    except WeightCacheError as err:
+        return None if err.reason in _ASK_BY_FINGERPRINT else err
 
 
 @contextlib.contextmanager
@@ -360,14 +447,55 @@ class _Attach:
         )
 
     def run(self, checkpoint: Checkpoint, fp: Fingerprint) -> LoadedWeights:
+        """Acquire the model whose fingerprint is ``fp`` and map it.
+
+        Raises:
+            WeightCacheError: the daemon refuses, or its storage cannot be mapped.
+        """
+        request = _acquire_request(checkpoint.root, fp, self.ttl)
+        return self._acquire(request, lambda _: fp, checkpoint, None)
+
+    def run_by_files(
+        self, root: Path, components: dict[str, str], files: dict[str, FileIdentity], level: Level
+    ) -> LoadedWeights:
+        """Acquire the model loaded from ``files`` with the request ``components`` and map
+        it; the weights carry the daemon's fingerprint of it.
+
+        Raises:
+            WeightCacheError: the daemon refuses (MODEL_NOT_FOUND: nothing was loaded from
+                these files), its fingerprint disagrees with ``components``
+                (FingerprintMismatchError), or its storage cannot be mapped.
+        """
+        request = _acquire_request(root, Fingerprint("", level, components), self.ttl, files)
+
+        def held(reply: pb.AcquireResponse) -> Fingerprint:
+            fp = fingerprint_from_pb(reply.model.fingerprint)
+            differing = [n for n in components if fp.components.get(n) != components[n]]
+            if differing:
+                raise FingerprintMismatchError(
+                    f"the daemon answered with model {reply.model.name!r}, which differs in "
+                    f"{', '.join(differing)}",
+                    metadata={"model": reply.model.name, "components": ",".join(differing)},
+                )
+            return fp
+
+        return self._acquire(request, held, root, request)
+
+    def _acquire(
+        self,
+        request: pb.AcquireRequest,
+        fingerprint_of: Callable[[pb.AcquireResponse], Fingerprint],
+        checkpoint: Checkpoint | Path,
+        by_files: pb.AcquireRequest | None,
+    ) -> LoadedWeights:
         owner = self._check_socket()
-        request = _acquire_request(checkpoint, fp, self.ttl)
         reply = _acquire_with_wait(
             self.socket, request, self.wait_timeout, wait_for_daemon=self.wait_for_daemon
         )
         lease = lease_from_pb(reply.lease)
         lease_id = lease.lease_id
         try:
+            fp = fingerprint_of(reply)
             arena = self._map(reply, owner)
         except BaseException:
             # Any failure to map gives the lease back at once (not after its TTL); a failed
@@ -383,6 +511,7 @@ class _Attach:
             checkpoint=checkpoint,
             socket=self.socket,
             model=reply.model.name,
+            metadata=dict(reply.model.metadata) if by_files is not None else None,
         )
         if self.mode == "copy":
             release(self.socket, lease_id)
@@ -418,7 +547,7 @@ class _Attach:
         # Decoded here, inside run()'s release-on-failure: a handle this SDK cannot read
         # (HandleError) must give the lease back, not leave it to expire.
         storage = storage_from_pb(reply.storage)
-        views = reply.tensors  # read as they are (_handles.View): no record per tensor
+        views = view_rows_from_pb(reply)  # tuples, from columns: no record per tensor
         copy = self.mode == "copy"
         if isinstance(storage, CudaIpcHandle):
             return open_cuda_ipc(storage, views, copy=copy)
@@ -426,18 +555,20 @@ class _Attach:
 
 
 def _acquire_request(
-    checkpoint: Checkpoint, fp: Fingerprint, ttl: float | None
+    root: Path, fp: Fingerprint, ttl: float | None, files: dict[str, FileIdentity] | None = None
 ) -> pb.AcquireRequest:
     return acquire_request_pb(
         Acquisition(
             request_id=uuid.uuid4().hex,
             fingerprint=fp,
-            checkpoint_path=str(checkpoint.root),
+            checkpoint_path=str(root),
+            files=files or {},
             ttl=ttl,
             environment=Environment(
                 weightcache_version=__version__, torch_version=torch.__version__
             ),
             pid=os.getpid(),
+            tensor_format="table",
         )
     )
 

@@ -155,7 +155,7 @@ def test_acquire_hands_out_a_64_byte_handle_of_the_whole_arena(
 ) -> None:
     checkpoint = weightcache.open_checkpoint(checkpoints.single)
     fp = weightcache.compute_fingerprint(checkpoint, Recipe(), Placement(), "sampled")
-    request = _acquire_request(checkpoint, fp, LONG_TTL)
+    request = _acquire_request(checkpoint.root, fp, LONG_TTL)
 
     with service_stub(gpu_daemon.socket) as stub:
         reply: pb.AcquireResponse = stub.Acquire(request, timeout=30)

@@ -13,6 +13,7 @@ or a silently wrong tensor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -93,6 +94,11 @@ class FileIdentity:
             st = os.fstat(fd)
         except OSError as exc:
             raise InvalidCheckpointError(f"fstat: {exc.strerror}") from None
+        return cls.of_stat(st)
+
+    @classmethod
+    def of_stat(cls, st: os.stat_result) -> FileIdentity:
+        """The identity of a file as ``stat`` returned it."""
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
@@ -127,12 +133,23 @@ class Checkpoint:
         root: realpath of the checkpoint folder.
         shards: its shard files, sorted by name.
         tensors: every tensor, by name, in shard then header order.
+        index: the identity of ``model.safetensors.index.json`` when it was read; None
+            for a single-file checkpoint.
     """
 
     root: Path
     shards: tuple[ShardInfo, ...]
     tensors: dict[str, TensorInfo]
+    index: FileIdentity | None = None
     _files: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def file_identities(self) -> dict[str, FileIdentity]:
+        """Every file read, by name relative to :attr:`root`, as it was when opened: the
+        shards and the index (:func:`file_identities` lists the same names)."""
+        files = {shard.name: shard.identity for shard in self.shards}
+        if self.index is not None:
+            files[INDEX_FILE] = self.index
+        return files
 
     def fd(self, shard: str) -> int:
         """The open descriptor of the shard named ``shard``.
@@ -265,16 +282,66 @@ def open_checkpoint(
         raise
 
 
+#: Most files :func:`file_identities` lists; a folder holding more is not matched by them.
+MAX_FILES = 4096
+
+
+def file_identities(path: str | os.PathLike[str]) -> tuple[Path, dict[str, FileIdentity]] | None:
+    """The checkpoint files at ``path`` and their identities, without reading any of them.
+
+    For a folder: ``model.safetensors.index.json`` and every ``*.safetensors`` file in it
+    (so a superset of the shards the index names); for a single file: that file. Symlinks
+    are followed (a hub snapshot's shards are its blobs), as :func:`open_checkpoint` does.
+    It is what a worker sends to be matched with the very files a daemon loaded
+    (:meth:`Checkpoint.file_identities`): no parsing, one ``stat`` per file.
+
+    Returns:
+        The real path of the folder and ``{file name: identity}``; None when ``path``
+        cannot be opened, is neither a folder nor a regular file, or holds more than
+        :data:`MAX_FILES` such files (:func:`open_checkpoint` then says what is wrong).
+    """
+    try:
+        fd = _open(os.fspath(path), None, str(path))
+    except (OSError, InvalidCheckpointError):
+        return None
+    try:
+        st = os.fstat(fd)
+        real = _real_path(fd, os.fspath(path))
+        if stat.S_ISREG(st.st_mode):
+            return real.parent, {real.name: FileIdentity.of_stat(st)}
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        names = [n for n in os.listdir(fd) if n.endswith(".safetensors") or n == INDEX_FILE]
+        if len(names) > MAX_FILES:
+            return None
+        return real, _stat_all(fd, sorted(names))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _stat_all(folder: int, names: list[str]) -> dict[str, FileIdentity]:
+    files = {}
+    for name in names:
+        with contextlib.suppress(OSError):  # vanished or unreadable: simply not matched
+            st = os.stat(name, dir_fd=folder)
+            if stat.S_ISREG(st.st_mode):
+                files[name] = FileIdentity.of_stat(st)
+    return files
+
+
 def _open_folder(
     folder: int, root: Path, files: dict[str, int], check_file: Callable[[Path], None] | None
 ) -> Checkpoint:
     if not stat.S_ISDIR(os.fstat(folder).st_mode):
         raise InvalidCheckpointError(f"{root}: neither a folder nor a regular file")
-    weight_map = None
+    weight_map = index_identity = None
     names = [SINGLE_FILE]
     index = _open_file(folder, root, INDEX_FILE, check_file, missing_ok=True)
     if index is not None:
         try:
+            index_identity = FileIdentity.of(index)
             weight_map = _read_index(index, root / INDEX_FILE)
         finally:
             os.close(index)
@@ -284,7 +351,7 @@ def _open_folder(
         if fd is None:
             raise InvalidCheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
         files[name] = fd
-    return _assemble(root, files, weight_map=weight_map)
+    return _assemble(root, files, weight_map=weight_map, index=index_identity)
 
 
 def _open(path: str, folder: int | None, shown: str) -> int:
@@ -394,7 +461,12 @@ def _read_index(fd: int, index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _assemble(root: Path, files: dict[str, int], weight_map: dict[str, str] | None) -> Checkpoint:
+def _assemble(
+    root: Path,
+    files: dict[str, int],
+    weight_map: dict[str, str] | None,
+    index: FileIdentity | None = None,
+) -> Checkpoint:
     shards = []
     tensors: dict[str, TensorInfo] = {}
     for name, fd in files.items():
@@ -417,7 +489,7 @@ def _assemble(root: Path, files: dict[str, int], weight_map: dict[str, str] | No
             raise InvalidCheckpointError(
                 f"{root}: the index lists tensors absent from their shards: {missing[:5]}"
             )
-    return Checkpoint(root=root, shards=tuple(shards), tensors=tensors, _files=files)
+    return Checkpoint(root=root, shards=tuple(shards), tensors=tensors, index=index, _files=files)
 
 
 def read_shard_header(fd: int, name: str, path: Path) -> ShardInfo:

@@ -88,21 +88,42 @@ def compute_fingerprint(
 
     if isinstance(recipe, Recipe):
         recipe = recipe.build(checkpoint, placement)
-    if level not in LEVELS:
-        raise ValueError(f"unknown fingerprint level {level!r}; use one of {LEVELS}")
+    components = request_components(recipe.identity, placement, level)
     parts: dict[str, Any] = {
-        "format": {"format": FORMAT, "level": level},
-        "recipe": recipe.identity,
-        "placement": placement.identity(),
+        "layout": [
+            {"name": shard.name, "size": shard.size, "header_sha256": shard.header_sha256}
+            for shard in checkpoint.shards
+        ]
     }
-    parts["layout"] = [
-        {"name": shard.name, "size": shard.size, "header_sha256": shard.header_sha256}
-        for shard in checkpoint.shards
-    ]
     for shard in checkpoint.shards:
         parts[f"checkpoint/{shard.name}"] = _shard_identity(checkpoint, shard, level)
-    components = {name: _digest(value) for name, value in sorted(parts.items())}
+    components.update((name, _digest(value)) for name, value in parts.items())
+    components = dict(sorted(components.items()))
     return Fingerprint(digest=_digest(components), level=level, components=components)
+
+
+#: The components :func:`request_components` computes: those that read no checkpoint file.
+REQUEST_COMPONENTS = ("format", "placement", "recipe")
+
+
+def request_components(
+    recipe_identity: dict[str, Any], placement: Placement, level: Level
+) -> dict[str, str]:
+    """The ``format``, ``placement`` and ``recipe`` components (name -> digest, sorted),
+    which need no byte of the checkpoint: what an Acquire by file identity sends
+    (``Recipe.identity`` gives ``recipe_identity`` from the checkpoint folder alone).
+
+    Raises:
+        ValueError: ``level`` is not ``"layout"``, ``"sampled"`` or ``"full"``.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"unknown fingerprint level {level!r}; use one of {LEVELS}")
+    parts = {
+        "format": {"format": FORMAT, "level": level},
+        "placement": placement.identity(),
+        "recipe": recipe_identity,
+    }
+    return {name: _digest(value) for name, value in parts.items()}
 
 
 def _digest(value: Any) -> str:

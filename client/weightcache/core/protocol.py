@@ -10,13 +10,15 @@ list sizes) run while decoding and raise :class:`InvalidArgumentError` with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+# MAX_FILES bounds an Acquire by file identity: as many files as a worker lists.
+from weightcache.core.checkpoint import MAX_FILES, FileIdentity
 from weightcache.core.errors import (
     DAEMON_ERRORS,
     ERROR_DOMAIN,
@@ -44,7 +46,9 @@ from weightcache.core.records import (
     ServerInfo,
     SharedMemoryHandle,
     StorageHandle,
+    TensorFormat,
     TensorView,
+    ViewRow,
 )
 from weightcache.core.tp import TPPlan, over_bounds
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -160,6 +164,10 @@ def fingerprint_from_pb(message: pb.Fingerprint) -> Fingerprint:
             "fingerprint.digest must be 64 lowercase hex characters",
             metadata={"field": "fingerprint.digest"},
         )
+    return _fingerprint(message)
+
+
+def _fingerprint(message: pb.Fingerprint) -> Fingerprint:
     if len(message.components) > MAX_COMPONENTS:
         raise InvalidArgumentError(
             f"more than {MAX_COMPONENTS} fingerprint components",
@@ -167,7 +175,7 @@ def fingerprint_from_pb(message: pb.Fingerprint) -> Fingerprint:
         )
     components = {c.name: c.digest for c in message.components}
     return Fingerprint(
-        digest=digest,
+        digest=message.digest,
         level=_LEVEL_FROM_PB.get(message.level, DEFAULT_LEVEL),
         components=dict(sorted(components.items())),
     )
@@ -419,6 +427,64 @@ def tensor_view_from_pb(message: pb.TensorView) -> TensorView:
     )
 
 
+def tensor_table_pb(views: Iterable[TensorView]) -> pb.TensorTable:
+    """Tensor views as the columns of a wire ``TensorTable`` (in the same order)."""
+    table = pb.TensorTable()
+    dtypes: dict[str, int] = {}
+    for view in views:
+        table.names.append(view.name)
+        table.dtype_index.append(dtypes.setdefault(view.dtype, len(dtypes)))
+        table.ranks.append(len(view.shape))
+        table.shape.extend(view.shape)
+        table.stride.extend(view.stride)
+        table.byte_offsets.append(view.byte_offset)
+    table.dtypes.extend(dtypes)
+    return table
+
+
+def view_rows_from_pb(response: pb.AcquireResponse) -> Iterator[ViewRow]:
+    """The tensor views of an Acquire response, from its ``tensor_table`` when set, else
+    from its ``tensors``, as plain tuples (each checked against the arena when used).
+
+    The table's columns are copied out in bulk and its shape checked here, before any view:
+    a row per tensor then costs a few slices, not a message of five fields.
+
+    Raises:
+        HandleError: the table's per-tensor columns differ in length, ``shape`` or
+            ``stride`` does not hold ``sum(ranks)`` entries, or a ``dtype_index`` is past
+            the end of ``dtypes``.
+    """
+    if not response.HasField("tensor_table"):
+        return (
+            (v.name, v.dtype, tuple(v.shape), tuple(v.stride), v.byte_offset)
+            for v in response.tensors
+        )
+    table = response.tensor_table
+    names, index, ranks = list(table.names), list(table.dtype_index), list(table.ranks)
+    offsets, shape, stride = list(table.byte_offsets), list(table.shape), list(table.stride)
+    if not len(names) == len(index) == len(ranks) == len(offsets):
+        raise HandleError(
+            "tensor table: names, dtype_index, ranks and byte_offsets differ in length"
+        )
+    if not sum(ranks) == len(shape) == len(stride):
+        raise HandleError("tensor table: shape and stride do not hold sum(ranks) entries")
+    dtypes = list(table.dtypes)
+    if index and max(index) >= len(dtypes):
+        raise HandleError(f"tensor table: a dtype_index is past the {len(dtypes)} dtypes")
+    per_tensor = zip(names, [dtypes[i] for i in index], ranks, offsets, strict=True)
+    return _table_rows(per_tensor, shape, stride)
+
+
+def _table_rows(
+    per_tensor: Iterable[tuple[str, str, int, int]], shape: list[int], stride: list[int]
+) -> Iterator[ViewRow]:
+    start = 0
+    for name, dtype, rank, offset in per_tensor:
+        end = start + rank
+        yield name, dtype, tuple(shape[start:end]), tuple(stride[start:end]), offset
+        start = end
+
+
 def storage_pb(handle: StorageHandle) -> pb.StorageHandle:
     """An arena handle as its wire message."""
     if isinstance(handle, SharedMemoryHandle):
@@ -475,6 +541,8 @@ def acquire_request_pb(acquisition: Acquisition) -> pb.AcquireRequest:
         checkpoint_path=acquisition.checkpoint_path,
         environment=environment_pb(acquisition.environment),
         pid=acquisition.pid,
+        files=[checkpoint_file_pb(name, i) for name, i in acquisition.files.items()],
+        tensor_format=_FORMAT_PB[acquisition.tensor_format],
     )
     if acquisition.ttl is not None:
         request.ttl.CopyFrom(duration_pb(acquisition.ttl))
@@ -487,12 +555,15 @@ def acquisition_from_pb(request: pb.AcquireRequest) -> Acquisition:
     Raises:
         InvalidArgumentError: ``request_id`` over :data:`MAX_ID_CHARS` or
             ``checkpoint_path`` over :data:`MAX_PATH_CHARS` characters, a malformed
-            fingerprint (:func:`fingerprint_from_pb`), or a negative ``ttl``; ``field``
-            names which.
+            fingerprint (:func:`fingerprint_from_pb`; by file identity, only its
+            component count is checked), a negative ``ttl``, over :data:`MAX_FILES` files
+            (``field=files``) or a file name over :data:`MAX_PATH_CHARS` characters
+            (``field=files.name``); ``field`` names which.
     """
     check_len("request_id", request.request_id, MAX_ID_CHARS)
     check_len("checkpoint_path", request.checkpoint_path, MAX_PATH_CHARS)
-    fingerprint = fingerprint_from_pb(request.fingerprint)
+    files = _files_from_pb(request.files)
+    fingerprint = (_fingerprint if files else fingerprint_from_pb)(request.fingerprint)
     ttl = duration_from_pb(request.ttl) if request.HasField("ttl") else None
     if ttl is not None and ttl < 0:
         raise InvalidArgumentError("ttl must not be negative", metadata={"field": "ttl"})
@@ -503,12 +574,50 @@ def acquisition_from_pb(request: pb.AcquireRequest) -> Acquisition:
         ttl=ttl,
         environment=environment_from_pb(request.environment),
         pid=request.pid,
+        files=files,
+        tensor_format=_FORMAT_FROM_PB.get(request.tensor_format, "views"),
     )
 
 
-def tensor_views_pb(views: Iterable[TensorView]) -> pb.AcquireResponse:
-    """An AcquireResponse holding only ``views`` encoded: what every Acquire of one model
-    repeats, for :func:`acquire_response_pb` to copy in."""
+_FORMAT_PB: dict[TensorFormat, pb.TensorFormat] = {
+    "views": pb.TENSOR_FORMAT_VIEWS,
+    "table": pb.TENSOR_FORMAT_TABLE,
+}
+# Unspecified, or a format this side does not know: the list every client reads.
+_FORMAT_FROM_PB: dict[int, TensorFormat] = {v: k for k, v in _FORMAT_PB.items()}
+
+
+def checkpoint_file_pb(name: str, identity: FileIdentity) -> pb.CheckpointFile:
+    """One file of an Acquire by file identity as its wire message."""
+    return pb.CheckpointFile(
+        name=name,
+        dev=identity.dev,
+        ino=identity.ino,
+        size=identity.size,
+        mtime_ns=identity.mtime_ns,
+        ctime_ns=identity.ctime_ns,
+    )
+
+
+def _files_from_pb(files: Iterable[pb.CheckpointFile]) -> dict[str, FileIdentity]:
+    listed = list(files)
+    if len(listed) > MAX_FILES:
+        raise InvalidArgumentError(f"over {MAX_FILES} files", metadata={"field": "files"})
+    return {
+        check_len("files.name", f.name, MAX_PATH_CHARS): FileIdentity(
+            f.dev, f.ino, f.size, f.mtime_ns, f.ctime_ns
+        )
+        for f in listed
+    }
+
+
+def tensor_views_pb(
+    views: Iterable[TensorView], tensor_format: TensorFormat = "views"
+) -> pb.AcquireResponse:
+    """An AcquireResponse holding only ``views`` encoded in ``tensor_format``: what every
+    Acquire of one model repeats, for :func:`acquire_response_pb` to copy in."""
+    if tensor_format == "table":
+        return pb.AcquireResponse(tensor_table=tensor_table_pb(views))
     return pb.AcquireResponse(tensors=[tensor_view_pb(v) for v in views])
 
 
@@ -536,10 +645,11 @@ def acquire_response_pb(
 
 
 def grant_from_pb(response: pb.AcquireResponse) -> Grant:
-    """An Acquire response as a :class:`Grant`.
+    """An Acquire response as a :class:`Grant` (its views from either format).
 
     Raises:
-        HandleError: the storage handle is of an unknown kind.
+        HandleError: the storage handle is of an unknown kind, or the tensor table is
+            malformed (:func:`view_rows_from_pb`).
         InvalidArgumentError: the model is malformed (:func:`model_from_pb`).
         RecipeError: the model's recipe or placement is invalid.
     """
@@ -547,7 +657,7 @@ def grant_from_pb(response: pb.AcquireResponse) -> Grant:
         lease=lease_from_pb(response.lease),
         model=model_from_pb(response.model),
         storage=storage_from_pb(response.storage),
-        tensors=tuple(tensor_view_from_pb(v) for v in response.tensors),
+        tensors=tuple(TensorView(*row) for row in view_rows_from_pb(response)),
         environment=environment_from_pb(response.environment),
     )
 

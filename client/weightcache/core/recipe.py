@@ -13,6 +13,7 @@ The same code runs in the daemon and in the worker's disk path, so both give the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from weightcache.core.checkpoint import Checkpoint
 from weightcache.core.dtypes import CASTABLE, TORCH_DTYPES
 from weightcache.core.errors import RecipeError
 from weightcache.core.pipeline import Node, TensorSpec, stored_nodes
-from weightcache.core.plugins import PluginStep
+from weightcache.core.plugins import PluginStep, RecipePlugin
 from weightcache.core.tp import TPPlan, shard_nodes
 
 RECIPE_NAME = "weightcache.recipe"
@@ -79,17 +80,11 @@ class Recipe:
             RecipeError: no plan can be found for ``tp_size > 1``; a split dimension is
                 not divisible; a plugin is missing or fails to plan.
         """
-        plan = None
-        if placement.tp_size > 1:
-            # An empty plan means "not given", on the wire and here alike.
-            has_rules = self.tp_plan is not None and self.tp_plan.rules
-            plan = self.tp_plan if has_rules else TPPlan.from_transformers(checkpoint.root)
+        plan, plugins = self._resolve(checkpoint.root, placement)
         nodes = stored_nodes(checkpoint)
         if plan is not None:
             nodes = shard_nodes(nodes, plan, placement.tp_rank, placement.tp_size)
-        steps = []
-        for step in self.plugins:
-            plugin = step.load()
+        for step, plugin in plugins:
             try:
                 nodes = plugin.transform(nodes, dict(step.params))
             except Exception as exc:
@@ -97,17 +92,44 @@ class Recipe:
                 raise RecipeError(
                     f"recipe plugin {step.name!r} failed: {type(exc).__name__}: {exc}"
                 ) from None
-            steps.append({"name": step.name, "version": plugin.version, "params": step.params})
         if self.dtype is not None:
             nodes = {name: _cast(node, self.dtype) for name, node in nodes.items()}
-        identity = {
+        return Pipeline(nodes=nodes, identity=self._identity(plan, plugins))
+
+    def identity(self, root: Path, placement: Placement) -> dict[str, Any]:
+        """The recipe's part of the fingerprint for the checkpoint folder ``root``, without
+        reading its tensors: what :meth:`build` would give as ``Pipeline.identity``. Only
+        the transformers ``config.json`` is read, for a plan that is not given.
+
+        Raises:
+            RecipeError: no plan can be found for ``tp_size > 1``; a plugin is missing.
+        """
+        return self._identity(*self._resolve(root, placement))
+
+    def _resolve(
+        self, root: Path, placement: Placement
+    ) -> tuple[TPPlan | None, list[tuple[PluginStep, RecipePlugin]]]:
+        plan = None
+        if placement.tp_size > 1:
+            # An empty plan means "not given", on the wire and here alike.
+            has_rules = self.tp_plan is not None and self.tp_plan.rules
+            plan = self.tp_plan if has_rules else TPPlan.from_transformers(root)
+        return plan, [(step, step.load()) for step in self.plugins]
+
+    def _identity(
+        self, plan: TPPlan | None, plugins: list[tuple[PluginStep, RecipePlugin]]
+    ) -> dict[str, Any]:
+        steps = [
+            {"name": step.name, "version": plugin.version, "params": step.params}
+            for step, plugin in plugins
+        ]
+        return {
             "name": RECIPE_NAME,
             "version": RECIPE_VERSION,
             "dtype": self.dtype,
             "tp_plan": plan.identity() if plan is not None else None,
             "plugins": steps,
         }
-        return Pipeline(nodes=nodes, identity=identity)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from weightcache.core.checkpoint import FileIdentity
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.recipe import Placement, Recipe
 
@@ -40,6 +41,18 @@ class TensorView:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     byte_offset: int
+
+    def row(self) -> ViewRow:
+        """The view as a :data:`ViewRow` tuple."""
+        return (self.name, self.dtype, self.shape, self.stride, self.byte_offset)
+
+
+#: A tensor view as a plain tuple ``(name, dtype, shape, stride, byte_offset)``, the fields
+#: of :class:`TensorView` in order: what the attach path builds tensors from, one per
+#: tensor, without a record each.
+ViewRow = tuple[str, str, tuple[int, ...], tuple[int, ...], int]
+#: How an Acquire response lists its tensors (the wire's ``TensorFormat``).
+TensorFormat = Literal["views", "table"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +144,14 @@ class LeaseStatus:
 @dataclass(frozen=True)
 class Acquisition:
     """What a worker asks for in an Acquire: the lease's ``ttl`` in seconds (None: the
-    daemon's default), and ``request_id`` for idempotent retries."""
+    daemon's default), and ``request_id`` for idempotent retries.
+
+    With ``files`` (file name -> identity), an Acquire by file identity: ``fingerprint``
+    then has no digest and only the components of
+    :data:`weightcache.core.fingerprint.REQUEST_COMPONENTS`, and the model must have been
+    loaded from these very files (docs/protocol.md). ``tensor_format`` is how the
+    response is to list the tensors.
+    """
 
     request_id: str
     fingerprint: Fingerprint
@@ -139,6 +159,8 @@ class Acquisition:
     ttl: float | None
     environment: Environment
     pid: int
+    files: dict[str, FileIdentity] = field(default_factory=dict)
+    tensor_format: TensorFormat = "views"
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,8 @@ class WorkerState:
             else {"code": reason.code, "detail": reason.detail, "components": reason.components},
             "lease": None if lease is None else {"ttl": lease.ttl, "validity": lease.validity},
             "names": list(tensors),
+            "fingerprint": weights.fingerprint.digest,
+            "metadata": weights.metadata,
             "in_shared_memory": in_shared_memory(tensors.values()),
             "elapsed": elapsed,
             "logs": jsonable(logs),

@@ -52,6 +52,12 @@ class FingerprintLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINGERPRINT_LEVEL_LAYOUT: _ClassVar[FingerprintLevel]
     FINGERPRINT_LEVEL_SAMPLED: _ClassVar[FingerprintLevel]
     FINGERPRINT_LEVEL_FULL: _ClassVar[FingerprintLevel]
+
+class TensorFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TENSOR_FORMAT_UNSPECIFIED: _ClassVar[TensorFormat]
+    TENSOR_FORMAT_VIEWS: _ClassVar[TensorFormat]
+    TENSOR_FORMAT_TABLE: _ClassVar[TensorFormat]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_FINGERPRINT_MISMATCH: ErrorReason
 ERROR_REASON_MODEL_NOT_FOUND: ErrorReason
@@ -82,6 +88,9 @@ FINGERPRINT_LEVEL_UNSPECIFIED: FingerprintLevel
 FINGERPRINT_LEVEL_LAYOUT: FingerprintLevel
 FINGERPRINT_LEVEL_SAMPLED: FingerprintLevel
 FINGERPRINT_LEVEL_FULL: FingerprintLevel
+TENSOR_FORMAT_UNSPECIFIED: TensorFormat
+TENSOR_FORMAT_VIEWS: TensorFormat
+TENSOR_FORMAT_TABLE: TensorFormat
 
 class FingerprintComponent(_message.Message):
     __slots__ = ("name", "digest")
@@ -233,6 +242,24 @@ class TensorView(_message.Message):
     byte_offset: int
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ...) -> None: ...
 
+class TensorTable(_message.Message):
+    __slots__ = ("names", "dtypes", "dtype_index", "ranks", "shape", "stride", "byte_offsets")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    dtypes: _containers.RepeatedScalarFieldContainer[str]
+    dtype_index: _containers.RepeatedScalarFieldContainer[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    byte_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype_index: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., byte_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Lease(_message.Message):
     __slots__ = ("lease_id", "model", "ttl", "expire_time", "instance_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -304,34 +331,56 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid")
+    __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid", "files", "tensor_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
     TTL_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fingerprint: Fingerprint
     checkpoint_path: str
     ttl: _duration_pb2.Duration
     environment: Environment
     pid: int
-    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., pid: _Optional[int] = ...) -> None: ...
+    files: _containers.RepeatedCompositeFieldContainer[CheckpointFile]
+    tensor_format: TensorFormat
+    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., pid: _Optional[int] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., tensor_format: _Optional[_Union[TensorFormat, str]] = ...) -> None: ...
+
+class CheckpointFile(_message.Message):
+    __slots__ = ("name", "dev", "ino", "size", "mtime_ns", "ctime_ns")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEV_FIELD_NUMBER: _ClassVar[int]
+    INO_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    CTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    def __init__(self, name: _Optional[str] = ..., dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease", "model", "storage", "tensors", "environment")
+    __slots__ = ("lease", "model", "storage", "tensors", "environment", "tensor_table")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_TABLE_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     model: Model
     storage: StorageHandle
     tensors: _containers.RepeatedCompositeFieldContainer[TensorView]
     environment: Environment
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., model: _Optional[_Union[Model, _Mapping]] = ..., storage: _Optional[_Union[StorageHandle, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorView, _Mapping]]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ...) -> None: ...
+    tensor_table: TensorTable
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., model: _Optional[_Union[Model, _Mapping]] = ..., storage: _Optional[_Union[StorageHandle, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorView, _Mapping]]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., tensor_table: _Optional[_Union[TensorTable, _Mapping]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("lease_ids",)

@@ -123,8 +123,9 @@ class WeightCacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Acquire(self, request, context):
-        """Grants a lease on the model whose fingerprint equals the request's, with the handles
-        to its storage. Idempotent by request_id while the lease it granted is live.
+        """Grants a lease on the model whose fingerprint equals the request's (or, by file
+        identity, which was loaded from the request's files), with the handles to its
+        storage. Idempotent by request_id while the lease it granted is live.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
