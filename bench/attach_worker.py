@@ -41,18 +41,23 @@ import weightcache
 from weightcache import Placement, Recipe
 
 MODES = ("attach", "copy", "disk", "safetensors", "fingerprint", "safe_open", "torch_load", "mmap")
-#: safetensors dtype name -> torch dtype, for the ``mmap`` mode.
+#: safetensors dtype name -> torch dtype, for the ``mmap`` mode (the benchmarks write BF16,
+#: F16 and F32; another dtype fails with a KeyError naming it).
 ST_DTYPES = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
+    "U16": torch.uint16,
     "I16": torch.int16,
+    "U32": torch.uint32,
     "I32": torch.int32,
+    "U64": torch.uint64,
     "I64": torch.int64,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
     "F32": torch.float32,
     "F64": torch.float64,
+    "C64": torch.complex64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }

@@ -252,7 +252,7 @@ def print_setup(args: argparse.Namespace) -> None:
     )
     runs = cells * len(args.modes) * args.repeat
     print(f"  runs: {args.repeat} per mode and cell, modes interleaved, each in a fresh process")
-    print(f"        ({runs} in all, about 2.5 s each here, most of it importing torch)")
+    print(f"        ({runs} in all; starting each and its imports, not timed, take seconds)")
     print("  page cache: WARM, the files were just written and the daemon read them")
     print("  timed, in each worker after its imports (interpreter start, imports and close()")
     print("  of a lease are not), each followed by reading the first byte of every tensor:")
