@@ -245,9 +245,8 @@ def print_setup(args: argparse.Namespace) -> None:
     cells = len(args.tensors) * len(args.sizes_mib)
     print("weightcache benchmark matrix: time to weights-ready, seven loaders")
     print(machine_line())
-    grid = "full" if args.full else "quick"
     print(
-        f"  grid ({grid}): tensors {', '.join(map(str, args.tensors))} x "
+        f"  grid ({args.grid}): tensors {', '.join(map(str, args.tensors))} x "
         f"{', '.join(map(str, args.sizes_mib))} MiB = {cells} cell(s), {args.shards} shards each"
     )
     runs = cells * len(args.modes) * args.repeat
@@ -316,13 +315,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).with_name("results"), help="output folder"
     )
-    parser.add_argument("--name", help="file name stem (matrix-quick or matrix-full)")
+    parser.add_argument("--name", help="file name stem (default matrix-quick/-full/-custom)")
     parser.add_argument("--plot-from", type=Path, metavar="CSV", help="only plot this CSV")
     args = parser.parse_args()
+    args.grid = "custom" if args.tensors or args.sizes_mib else "full" if args.full else "quick"
     args.tensors = args.tensors or list(FULL_TENSORS if args.full else QUICK_TENSORS)
     args.sizes_mib = args.sizes_mib or list(FULL_SIZES_MIB if args.full else QUICK_SIZES_MIB)
     args.repeat = args.repeat or (5 if args.full else 2)
-    args.name = args.name or ("matrix-full" if args.full else "matrix-quick")
+    args.name = args.name or f"matrix-{args.grid}"
     if BASELINE not in args.modes:
         args.modes.insert(0, BASELINE)
     if min(*args.tensors, *args.sizes_mib, args.shards, args.repeat) < 1:
