@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup protos check-protos lint test demo bench clean
+.PHONY: setup protos check-protos lint test demo bench bench-attach clean
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -46,7 +46,18 @@ test: $(STAMP) check-protos lint
 demo: $(STAMP)
 	$(PY) demo/demo.py
 
-bench: $(STAMP)
+# The `bench` extra (matplotlib) is for the benchmarks alone: its own stamp, so that
+# `make test` does not pull it.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+# The quick matrix (bench/README.md); bench-attach is the attach-versus-disk benchmark.
+bench: $(BENCH_STAMP)
+	$(PY) bench/matrix.py
+
+bench-attach: $(STAMP)
 	$(PY) bench/attach_vs_disk.py
 
 clean:

@@ -258,14 +258,17 @@ def drop_caches() -> None:
         raise BenchError(f"--drop-caches: cannot write {DROP_CACHES}: {exc.strerror}") from None
 
 
-def run_worker(mode: str, model: Path, socket: str, out: Path) -> dict[str, Any]:
-    """One timed load in a fresh process; returns its JSON result (``seconds`` etc.).
+def run_worker(
+    mode: str, model: Path, socket: str, out: Path, extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """One timed load in a fresh process (``extra``: further worker arguments); returns its
+    JSON result (``seconds`` etc.).
 
     Raises:
         BenchError: the worker failed or ran over :data:`WORKER_TIMEOUT` seconds.
     """
     command = [sys.executable, str(WORKER), mode, str(model), "--socket", socket]
-    command += ["--out", str(out)]
+    command += ["--out", str(out), *extra]
     done = run_child(command, mode, WORKER_TIMEOUT)
     if done.returncode != 0:
         raise BenchError(f"{mode} worker exited {done.returncode}:\n{done.stdout}{done.stderr}")
@@ -282,20 +285,23 @@ def measure(
     repeat: int,
     cold: bool,
     expected: int,
+    extra: Sequence[str] = (),
 ) -> dict[str, list[float]]:
-    """Run every mode of ``modes`` ``repeat`` times, interleaved; returns seconds per mode.
+    """Run every mode of ``modes`` ``repeat`` times, interleaved (``extra``: further worker
+    arguments); returns seconds per mode.
 
     Raises:
         BenchError: a worker failed, loaded from the wrong source or saw the wrong number
             of tensors.
     """
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
-    sources = {"attach": "cache", "copy": "cache", "disk": "disk", "safetensors": "disk"}
+    sources = dict.fromkeys(("attach", "copy"), "cache")
+    sources |= dict.fromkeys(("disk", "safetensors", "safe_open", "torch_load", "mmap"), "disk")
     for _ in range(repeat):
         for mode in modes:
             if cold:
                 drop_caches()
-            result = run_worker(mode, model, socket, tmp / "result.json")
+            result = run_worker(mode, model, socket, tmp / "result.json", extra)
             want_source = sources.get(mode, "-")
             if result["source"] != want_source or result["tensors"] != expected:
                 raise BenchError(
@@ -314,12 +320,14 @@ def print_table(
     seconds: dict[str, list[float]],
     timed: dict[str, str],
     width: int,
-    note: tuple[str, str],
+    note: tuple[str, ...],
     baseline: str = "disk",
+    *,
+    legend: bool = True,
 ) -> None:
     """Median, min and max per mode (the keys of ``timed`` that ``seconds`` has, in order),
-    the ``baseline`` mode's median over each median, then the two lines of ``note`` and what
-    each mode timed; modes ``width`` wide."""
+    the ``baseline`` mode's median over each median, then (with ``legend``) the lines of
+    ``note`` and what each mode timed; modes ``width`` wide."""
     base = statistics.median(seconds[baseline])
     ratio = f"{baseline} / this (medians)"
     print(f"  {'mode':<{width}}{'median':>10}{'min':>10}{'max':>10}{ratio:>32}")
@@ -330,6 +338,8 @@ def print_table(
             f"  {mode:<{width}}{fmt_seconds(median):>10}{fmt_seconds(min(seconds[mode])):>10}"
             f"{fmt_seconds(max(seconds[mode])):>10}{base / median:>31.2f}x"
         )
+    if not legend:
+        return
     print()
     for line in note:
         print(line)

@@ -1,15 +1,23 @@
-"""One timed load in a fresh process, for ``attach_vs_disk.py``.
+"""One timed load in a fresh process, for ``attach_vs_disk.py`` and ``matrix.py``.
 
 Usage::
 
-    python bench/attach_worker.py {attach,copy,disk,safetensors,fingerprint} MODEL_DIR \
-        --socket S --out F
+    python bench/attach_worker.py MODE MODEL_DIR --socket S --out F [--pt FILE]
+
+MODE is one of attach, copy, disk, safetensors, fingerprint (``attach_vs_disk.py``) or
+safe_open, torch_load, mmap (the other loaders ``matrix.py`` compares).
 
 Writes ``{"seconds", "source", "tensors", "touched"}`` as JSON to ``--out``. What is timed
 starts after the imports: the load call, then reading the first byte of every tensor (so a
 zero-copy attach pays for one page fault per tensor, not for every byte). For
 ``safetensors`` the load is ``safetensors.torch.load_file`` of every shard; for
-``fingerprint`` it is ``open_checkpoint`` plus the sampled ``compute_fingerprint``.
+``fingerprint`` it is ``open_checkpoint`` plus the sampled ``compute_fingerprint``. The
+other peers, each followed by the same touch: ``safe_open`` is ``safetensors.safe_open`` +
+``get_tensor`` of every tensor of every shard; ``torch_load`` is
+``torch.load(FILE, mmap=True, weights_only=True)`` of the ``--pt`` file (written beforehand
+with the same tensors); ``mmap`` maps every shard (``mmap.ACCESS_COPY``, private and
+writable, so ``torch.frombuffer`` takes it without a warning), parses its header and builds
+one ``torch.frombuffer`` view per tensor: about the least a Python loader can do.
 Releasing the lease (``close()``) is not timed.
 
 ``weightcache``'s attributes are imported on first use (PEP 562): each one used is resolved
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +40,27 @@ import torch
 import weightcache
 from weightcache import Placement, Recipe
 
-MODES = ("attach", "copy", "disk", "safetensors", "fingerprint")
+MODES = ("attach", "copy", "disk", "safetensors", "fingerprint", "safe_open", "torch_load", "mmap")
+#: safetensors dtype name -> torch dtype, for the ``mmap`` mode (the benchmarks write BF16,
+#: F16 and F32; another dtype fails with a KeyError naming it).
+ST_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "U16": torch.uint16,
+    "I16": torch.int16,
+    "U32": torch.uint32,
+    "I32": torch.int32,
+    "U64": torch.uint64,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def touch(tensors: dict[str, torch.Tensor]) -> int:
@@ -86,6 +115,69 @@ def safetensors_and_touch(model_dir: str) -> dict[str, object]:
     return {"seconds": seconds, "source": "disk", "tensors": len(tensors), "touched": touched}
 
 
+def safe_open_and_touch(model_dir: str) -> dict[str, object]:
+    """``safetensors.safe_open`` of every shard, ``get_tensor`` of each of its tensors, and
+    touch; returns the result fields. Listing the shards is not timed."""
+    files = shards(model_dir)
+    safe_open = safetensors.safe_open
+    start = time.perf_counter()
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as shard:
+            for name in shard.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+                tensors[name] = shard.get_tensor(name)
+    touched = touch(tensors)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "source": "disk", "tensors": len(tensors), "touched": touched}
+
+
+def torch_load_and_touch(pt_file: str) -> dict[str, object]:
+    """``torch.load(pt_file, mmap=True, weights_only=True)`` and touch; returns the result
+    fields."""
+    load = torch.load
+    start = time.perf_counter()
+    tensors: dict[str, torch.Tensor] = load(pt_file, mmap=True, weights_only=True)
+    touched = touch(tensors)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "source": "disk", "tensors": len(tensors), "touched": touched}
+
+
+def mmap_views(path: str) -> dict[str, torch.Tensor]:
+    """Map the safetensors file ``path`` (private, copy-on-write) and return one
+    ``torch.frombuffer`` view per tensor, from its header; no checks beyond the dtype."""
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    size = int.from_bytes(mapped[:8], "little")
+    header = json.loads(mapped[8 : 8 + size])
+    base = 8 + size
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = ST_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        count = (end - begin) // dtype.itemsize
+        if count:
+            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + begin)
+            tensors[name] = flat.view(info["shape"])
+        else:
+            tensors[name] = torch.empty(info["shape"], dtype=dtype)
+    return tensors
+
+
+def mmap_and_touch(model_dir: str) -> dict[str, object]:
+    """:func:`mmap_views` of every shard and touch; returns the result fields. Listing the
+    shards is not timed."""
+    files = shards(model_dir)
+    start = time.perf_counter()
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        tensors.update(mmap_views(path))
+    touched = touch(tensors)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "source": "disk", "tensors": len(tensors), "touched": touched}
+
+
 def fingerprint_only(model_dir: str) -> dict[str, object]:
     """Time ``open_checkpoint`` plus the sampled fingerprint; returns the result fields."""
     open_checkpoint = weightcache.open_checkpoint  # resolved before the clock
@@ -105,11 +197,20 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("--socket", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--pt", help="the torch.save file of the same tensors (torch_load)")
     args = parser.parse_args()
+    if args.mode == "torch_load" and not args.pt:
+        parser.error("torch_load needs --pt")
     if args.mode == "fingerprint":
         result = fingerprint_only(args.model_dir)
     elif args.mode == "safetensors":
         result = safetensors_and_touch(args.model_dir)
+    elif args.mode == "safe_open":
+        result = safe_open_and_touch(args.model_dir)
+    elif args.mode == "torch_load":
+        result = torch_load_and_touch(args.pt)
+    elif args.mode == "mmap":
+        result = mmap_and_touch(args.model_dir)
     else:
         result = load_and_touch(args.mode, args.model_dir, args.socket)
     with open(args.out, "w") as out:
