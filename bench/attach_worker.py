@@ -28,6 +28,7 @@ import the loader, gRPC and the protos (about 150 ms) and be counted as attach t
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import mmap
 import time
@@ -64,9 +65,12 @@ ST_DTYPES = {
 
 
 def touch(tensors: dict[str, torch.Tensor]) -> int:
-    """Sum of the first byte of every tensor: makes each tensor's first page resident."""
-    firsts = (t.reshape(-1)[:1].view(torch.uint8) for t in tensors.values() if t.numel())
-    return sum(int(first[0]) for first in firsts)
+    """Sum of the first byte of every non-empty (CPU) tensor: makes each tensor's first
+    page resident. The byte is read at the tensor's address (``ctypes.string_at``), about
+    0.5 µs a tensor; indexing each tensor in torch, as this did until 2026-12-01, cost
+    about 6 µs, more than an attach of the tensor itself."""
+    read = ctypes.string_at
+    return sum(read(t.data_ptr(), 1)[0] for t in tensors.values() if t.numel())
 
 
 def load_and_touch(mode: str, model_dir: str, socket: str) -> dict[str, object]:
