@@ -53,7 +53,7 @@ class LoadOptions:
         fallback: True (default): load from disk, with the reason recorded, when the
             daemon cannot serve. False: wait up to ``wait_timeout`` for a daemon or a
             loading model, then raise.
-        fingerprint_level: ``"sampled"`` (default), ``"layout"`` or ``"full"``. It must
+        fingerprint_level: ``"full"`` (default), ``"sampled"`` or ``"layout"``. It must
             be the level the daemon fingerprinted the model at (its
             ``--fingerprint-level``): at another level the fingerprints differ and the
             worker falls back to disk, with ``FINGERPRINT_MISMATCH`` (the detail names the

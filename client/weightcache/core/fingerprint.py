@@ -1,28 +1,33 @@
 """Identity of (checkpoint, recipe, placement), computed the same way on both sides.
 
-``digest = sha256(canonical JSON of {component name: component digest})`` where each
-component digest is the sha256 of that component's canonical JSON (sorted keys, no
-whitespace). Components: ``format``, ``layout`` (every shard's name, size and header
-digest: what tells the daemon that a request is *about* a model it holds), one
-``checkpoint/<shard>`` per shard file, ``recipe`` and ``placement``. Keeping them apart
-lets a mismatch say which one differs.
+The normative definition is ``docs/fingerprint.md`` (format ``weightcache.fingerprint/2``),
+checked against the test vectors of ``tests/vectors/`` by this code and by an independent
+implementation. In short: ``digest = sha256(JCS({component name: component digest}))``
+where each component digest is the sha256 of that component's JSON canonicalized by RFC
+8785 (JCS, the ``rfc8785`` package). Components: ``format``, ``layout`` (every shard's
+name, size and header digest: what tells the daemon that a request is *about* a model it
+holds), one ``checkpoint/<shard>`` per shard file, ``recipe`` and ``placement``. Keeping
+them apart lets a mismatch say which one differs.
 
 Content levels (the checkpoint part):
 
 - ``layout``: shard name, size and sha256 of the raw header. Blind to a fine-tune.
-- ``sampled`` (default): layout plus, per tensor, its first, middle and last 64 bytes
-  (every byte when the tensor is at most 192 bytes): O(tensors) small reads.
-- ``full``: layout plus the sha256 of every byte of each shard, cached on disk
-  (:mod:`weightcache.core.hashcache`; a hub-cache blob's name is its sha256).
+- ``sampled``: layout plus, per tensor, its first, middle and last 64 bytes (every byte
+  when the tensor is at most 192 bytes): O(tensors) small reads. Misses an edit between
+  the samples.
+- ``full`` (default): layout plus the sha256 of every byte of each shard, remembered on
+  disk by file identity (:mod:`weightcache.core.hashcache`). A worker whose files are the
+  ones its daemon loaded reads none of them (an Acquire by file identity).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
+
+import rfc8785
 
 from weightcache.core.hashcache import fd_sha256
 
@@ -32,12 +37,14 @@ if TYPE_CHECKING:
     from weightcache.core.checkpoint import Checkpoint, ShardInfo
     from weightcache.core.recipe import Pipeline, Placement, Recipe
 
-FORMAT = "weightcache.fingerprint/1"
+#: The spec version (``docs/fingerprint.md``), inside the ``format`` component: a change of
+#: algorithm is then a mismatch of that component, never a silent one.
+FORMAT = "weightcache.fingerprint/2"
 SAMPLE_BYTES = 64
 Level = Literal["layout", "sampled", "full"]
 LEVELS: tuple[Level, ...] = ("layout", "sampled", "full")
 #: The level used when none is named: by the daemon, the SDK and the wire (UNSPECIFIED).
-DEFAULT_LEVEL: Level = "sampled"
+DEFAULT_LEVEL: Level = "full"
 
 
 @dataclass(frozen=True)
@@ -127,8 +134,10 @@ def request_components(
 
 
 def _digest(value: Any) -> str:
-    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    """Lowercase hex sha256 of ``value`` serialized by RFC 8785 (JSON Canonicalization
+    Scheme): keys sorted by UTF-16 code units, no whitespace, strings as ECMAScript
+    ``JSON.stringify`` writes them (non-ASCII characters as themselves, in UTF-8)."""
+    return hashlib.sha256(rfc8785.dumps(value)).hexdigest()
 
 
 def _shard_identity(checkpoint: Checkpoint, shard: ShardInfo, level: Level) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """sha256 of whole files, remembered on disk so that a restart re-hashes nothing.
 
 An entry is keyed by (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): a file rewritten
-in place gets a new mtime and ctime (even when ``utime()`` restores the mtime) and is hashed
-again. A Hugging Face hub-cache blob
-(``.../blobs/<64 hex>``) is named after the sha256 of its content (its Git LFS oid), so
-its name is used without reading it.
+in place gets a new mtime and ctime (even when ``utime()`` restores the mtime, ctime
+moves, and no user can set it back) and is hashed again. A Hugging Face hub-cache blob
+(``.../blobs/<64 hex>``) is named after the sha256 of its content (its Git LFS oid), but a
+name is a claim, not a digest (a corrupt or tampered blob keeps its name): blobs are read
+and hashed like any file, once per identity.
 """
 
 from __future__ import annotations
@@ -43,19 +44,17 @@ def file_sha256(path: str | os.PathLike[str], cache: Path | None = None) -> str:
 
 
 def fd_sha256(fd: int, path: Path, cache: Path | None = None) -> str:
-    """Lowercase hex sha256 of an open file's bytes, from the hub blob name, the cache, or
-    by reading the descriptor (then cached).
+    """Lowercase hex sha256 of an open file's bytes, from the cache, or by reading the
+    descriptor (then cached).
 
     Args:
         fd: the open file; read with ``pread``, never reopened by path.
-        path: where the opened file really is (a hub blob is recognised by it).
+        path: where the opened file really is (for whoever traces reads).
         cache: the cache folder; :func:`cache_dir` by default.
 
     Raises:
         OSError: the file cannot be read. A cache that cannot be written is skipped.
     """
-    if path.parent.name == "blobs" and _HEX64.match(path.name):
-        return path.name
     info = os.fstat(fd)
     key = f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}"
     folder = cache or cache_dir()

@@ -125,7 +125,7 @@ def level_pb(level: Level) -> pb.FingerprintLevel:
 
 
 def level_from_pb(value: int) -> Level:
-    """The level a wire enum value names (unspecified: ``sampled``).
+    """The level a wire enum value names (unspecified: the default, ``full``).
 
     Raises:
         InvalidArgumentError: the value names no level (``field=fingerprint_level``).
@@ -151,7 +151,7 @@ def fingerprint_from_pb(message: pb.Fingerprint) -> Fingerprint:
     """A wire fingerprint as a :class:`Fingerprint` (components sorted by name).
 
     The level only describes how the digest was made, so a level this side does not know
-    reads as the default ``sampled`` rather than refusing a digest that may match.
+    reads as the default (``full``) rather than refusing a digest that may match.
 
     Raises:
         InvalidArgumentError: the digest is not 64 lowercase hex characters
