@@ -257,7 +257,7 @@ def test_load_options_defaults_are_loads_defaults() -> None:
         "recipe": None,
         "mode": "zero_copy",
         "fallback": True,
-        "fingerprint_level": "sampled",
+        "fingerprint_level": "full",
         "tp_rank": 0,
         "tp_size": 1,
         "ttl": None,

@@ -2,7 +2,7 @@
 
 - the hub cache (``models--org--name/snapshots/<rev>/`` symlinking into ``blobs/``),
   addressed by snapshot path, branch and commit; ``full`` fingerprints of blobs from
-  their names, without reading them;
+  their bytes, read once (a blob's name is not trusted);
 - a sharded folder with stray ``.safetensors`` files the index does not name;
 - ``__metadata__`` preserved and exposed on both sides;
 - tied embeddings: stored once and tied in the module, or stored twice and served so;
@@ -186,7 +186,7 @@ def _full(path: Path) -> weightcache.Fingerprint:
     return weightcache.compute_fingerprint(checkpoint, recipe, placement, "full")
 
 
-def test_full_fingerprint_of_blobs_comes_from_their_names(
+def test_full_fingerprint_of_blobs_is_their_bytes_read_once(
     setup: Setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = tmp_path / "hash-cache"
@@ -195,11 +195,14 @@ def test_full_fingerprint_of_blobs_comes_from_their_names(
     plain = tmp_path / "plain"
     shutil.copytree(setup.hub.snapshot, plain)  # follows the symlinks: plain files
     assert not any(p.is_symlink() for p in plain.iterdir())
+    blob_names = [setup.hub.blobs[shard].name for shard in (SHARD_1, SHARD_2)]
 
     from_blobs = _full(setup.hub.snapshot)
+    again = _full(setup.hub.snapshot)
 
-    assert hashes.take() == []  # no blob was read: their names are their sha256
-    assert not cache.exists()
+    # A blob's name is a claim: its bytes are read, once per file identity.
+    assert hashes.take() == blob_names
+    assert again == from_blobs
     from_files = _full(plain)
     assert hashes.take() == [SHARD_1, SHARD_2]
     assert from_blobs == from_files
@@ -207,19 +210,16 @@ def test_full_fingerprint_of_blobs_comes_from_their_names(
         blob = setup.hub.blobs[shard]
         assert blob.name == hashlib.sha256(blob.read_bytes()).hexdigest()
 
-    # A blob named with another hash yields that name: proof that the name, not the bytes,
-    # is what counts.
+    # Blobs named with other hashes give the hash of their bytes, not their names.
     fake = {f: hashlib.sha256(f"not {f}".encode()).hexdigest() for f in (SHARD_1, SHARD_2)}
     renamed = write_hub_repo(
         tmp_path / "hub", "acme/renamed", setup.hub.snapshot, COMMIT, blob_name=fake
     )
     for shard in (SHARD_1, SHARD_2):
-        assert weightcache.core.hashcache.file_sha256(renamed.snapshot / shard) == fake[shard]
-    from_renamed = _full(renamed.snapshot)
-    assert hashes.take() == []
-    assert from_renamed.differing(from_files) == [f"checkpoint/{SHARD_1}", f"checkpoint/{SHARD_2}"]
-    # Only the plain files were cached; a blob needs no entry.
-    assert len(list(cache.iterdir())) == 2
+        real = hashlib.sha256((plain / shard).read_bytes()).hexdigest()
+        assert weightcache.core.hashcache.file_sha256(renamed.snapshot / shard) == real
+    assert _full(renamed.snapshot) == from_files
+    assert len(list(cache.iterdir())) == 6  # blobs, plain files, renamed blobs
 
 
 # -- stray files and metadata -----------------------------------------------------------

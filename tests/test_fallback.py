@@ -260,7 +260,7 @@ def test_every_fallback_code_is_documented() -> None:
 def test_other_fingerprint_level_than_the_daemons_falls_back(
     daemon: Daemon, worker: Worker, checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
-    """The daemon fingerprinted ``single`` at its default level, ``sampled``; a worker at
+    """The daemon fingerprinted ``single`` at its default level, ``full``; a worker at
     ``layout`` computes another fingerprint and does not attach (README: the levels must
     match). The detail names the daemon's level."""
     reply = worker.load(
@@ -278,6 +278,6 @@ def test_other_fingerprint_level_than_the_daemons_falls_back(
         ("checkpoint/model.safetensors", "format"),
     )
     assert reply["fallback_reason"]["detail"].startswith(
-        "held model 'single' (fingerprint level sampled, "
+        "held model 'single' (fingerprint level full, "
     )
     assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)

@@ -10,7 +10,7 @@ import pytest
 from tests.support import Checkpoints, run_cli
 from weightcache.core.checkpoint import INDEX_FILE, MAX_FILES, FileIdentity, open_checkpoint
 from weightcache.core.errors import HandleError, InvalidArgumentError
-from weightcache.core.fingerprint import Fingerprint, compute_fingerprint
+from weightcache.core.fingerprint import DEFAULT_LEVEL, Fingerprint, compute_fingerprint
 from weightcache.core.plugins import PluginStep
 from weightcache.core.protocol import (
     MAX_COMPONENTS,
@@ -109,7 +109,7 @@ def test_times_round_trip() -> None:
 def test_fingerprint_round_trips(fingerprint: Fingerprint) -> None:
     for level in ("layout", "sampled", "full"):
         assert level_from_pb(level_pb(level)) == level
-    assert level_from_pb(pb.FINGERPRINT_LEVEL_UNSPECIFIED) == "sampled"
+    assert level_from_pb(pb.FINGERPRINT_LEVEL_UNSPECIFIED) == "full" == DEFAULT_LEVEL
 
     decoded = fingerprint_from_pb(fingerprint_pb(fingerprint))
 
