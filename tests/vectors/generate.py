@@ -32,6 +32,8 @@ HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 #: point and UTF-8 order (ｍ first): the component names sort one way in JCS, the shards
 #: the other way in ``layout``.
 UNICODE_SHARDS = ("modèle-ｍ.safetensors", "modèle-😀.safetensors")
+#: Shard names that JCS must escape: a control character and a quote.
+ESCAPED_SHARDS = ("a\x01.safetensors", 'b"q.safetensors')
 
 
 def _ramp(shape: tuple[int, ...], dtype: torch.dtype, start: int = 0) -> torch.Tensor:
@@ -67,14 +69,14 @@ def _write_index(folder: Path, shards: dict[str, dict[str, torch.Tensor]]) -> No
 
 def write_checkpoints() -> None:
     """(Re)write every case's folder under this one."""
-    for case in ("single", "sharded", "unicode", "hub"):
+    for case in ("single", "sharded", "unicode", "names", "hub"):
         shutil.rmtree(HERE / case, ignore_errors=True)
     single = HERE / "single"
     single.mkdir()
     save_file(
         _single_tensors(),
         str(single / "model.safetensors"),
-        metadata={"format": "pt", "note": "weightcache vectors"},
+        metadata={"format": "pt"},  # one key: safetensors writes a map in no fixed order
     )
     sharded = HERE / "sharded"
     sharded.mkdir()
@@ -100,6 +102,16 @@ def write_checkpoints() -> None:
     for file, tensors in named.items():
         save_file(tensors, str(unicode / file))
     _write_index(unicode, named)
+    names = HERE / "names"
+    names.mkdir()
+    # Integer-like tensor names: ECMAScript's JSON.parse would list them first, ascending.
+    escaped = {
+        ESCAPED_SHARDS[0]: {"10": _ramp((70,), torch.float32), "2": _ramp((3,), torch.float32, 1)},
+        ESCAPED_SHARDS[1]: {"x": _ramp((2,), torch.int64), "7": _ramp((60,), torch.float32, 2)},
+    }
+    for file, tensors in escaped.items():
+        save_file(tensors, str(names / file))
+    _write_index(names, escaped)
     _write_hub(HERE / "hub")
 
 
@@ -120,8 +132,10 @@ def _write_hub(root: Path) -> None:
 #: (case, folder relative to this one, recipe, placement)
 CASES: list[tuple[str, str, Recipe, Placement]] = [
     ("single", "single", Recipe(), Placement()),
+    ("file", "single/model.safetensors", Recipe(), Placement()),
     ("sharded", "sharded", Recipe(), Placement()),
     ("unicode", "unicode", Recipe(), Placement()),
+    ("names", "names", Recipe(), Placement()),
     ("hub", f"hub/models--acme--tiny/snapshots/{HUB_COMMIT}", Recipe(), Placement()),
     (
         "recipe",
