@@ -355,6 +355,7 @@ def run_crowd(
         ready = crowd.collect("ready", READY_TIMEOUT)
         started = time.monotonic() - begin
         time.sleep(args.settle)  # let the import stragglers' exit from read() settle
+        loadavg = Path("/proc/loadavg").read_text().split()
         daemon_before = cpu_seconds_of(daemon_pid)
         fired = crowd.fire()
         done = crowd.collect("done", RUN_TIMEOUT)
@@ -368,8 +369,9 @@ def run_crowd(
             )
     print(
         f"  round {round_} {mode:<9} {args.workers} workers ready after {started:.1f} s "
-        f"(load average before: {load_avg}); "
-        f"last done {max(r['done'] for r in done) - fired:.3f} s after the signal",
+        f"(load average before: {load_avg}); at the signal: {loadavg[3].split('/')[0]} "
+        f"runnable, load average {loadavg[0]}; "
+        f"last done {max(r['done'] for r in done) - fired:.3f} s after it",
         flush=True,
     )
     return CrowdResult(
