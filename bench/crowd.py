@@ -28,7 +28,7 @@ Run with ``.venv/bin/python bench/crowd.py [--workers 64] [--rounds 3] [options]
 4. print, per mode, p50/p90/p99/max of the load times over all workers of all rounds, the
    baseline's p99 over attach's, the time from the start signal to the last worker done,
    the CPU milliseconds per load (the worker's own and the daemon's share, from
-   ``/proc/PID/stat``), and per round p50/p99/max;
+   ``/proc/PID/task/*/schedstat``), and per round p50/p99/max;
 5. stop the daemon (SIGTERM), check that it left no socket and no segment, remove the
    folder; on failure, SIGTERM and Ctrl-C the workers are killed and the same happens.
 
@@ -76,7 +76,7 @@ READY_TIMEOUT = 900.0
 #: Seconds a crowd may take from the start signal to the last report.
 RUN_TIMEOUT = 600.0
 #: Memory a worker needs, for the check before the run: RssAnon after its imports was about
-#: 153 MiB on the machine of bench/README.md, plus what a load adds; rounded up.
+#: 155 MiB on the machine of bench/README.md, plus what a load adds; rounded up.
 WORKER_MIB = 250
 
 
