@@ -40,6 +40,7 @@ import torch
 
 import weightcache
 from weightcache import Placement, Recipe
+from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS, Level
 
 MODES = ("attach", "copy", "disk", "safetensors", "fingerprint", "safe_open", "torch_load", "mmap")
 #: safetensors dtype name -> torch dtype, for the ``mmap`` mode (the benchmarks write BF16,
@@ -73,12 +74,17 @@ def touch(tensors: dict[str, torch.Tensor]) -> int:
     return sum(read(t.data_ptr(), 1)[0] for t in tensors.values() if t.numel())
 
 
-def load_and_touch(mode: str, model_dir: str, socket: str) -> dict[str, object]:
-    """Load in ``mode`` and touch; returns the result fields, ``seconds`` included."""
+def load_and_touch(
+    mode: str, model_dir: str, socket: str, level: Level = DEFAULT_LEVEL
+) -> dict[str, object]:
+    """Load in ``mode`` (``attach`` and ``copy`` at fingerprint ``level``) and touch;
+    returns the result fields, ``seconds`` included."""
     load, load_from_disk = weightcache.load, weightcache.load_from_disk  # before the clock
     loaders: dict[str, Callable[[], weightcache.LoadedWeights]] = {
-        "attach": lambda: load(model_dir, socket=socket, fallback=False),
-        "copy": lambda: load(model_dir, socket=socket, mode="copy", fallback=False),
+        "attach": lambda: load(model_dir, socket=socket, fallback=False, fingerprint_level=level),
+        "copy": lambda: load(
+            model_dir, socket=socket, mode="copy", fallback=False, fingerprint_level=level
+        ),
         "disk": lambda: load_from_disk(model_dir),
     }
     start = time.perf_counter()
@@ -202,6 +208,9 @@ def main() -> None:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--pt", help="the torch.save file of the same tensors (torch_load)")
+    parser.add_argument(
+        "--level", choices=LEVELS, default=DEFAULT_LEVEL, help="fingerprint level (attach, copy)"
+    )
     args = parser.parse_args()
     if args.mode == "torch_load" and not args.pt:
         parser.error("torch_load needs --pt")
@@ -216,7 +225,7 @@ def main() -> None:
     elif args.mode == "mmap":
         result = mmap_and_touch(args.model_dir)
     else:
-        result = load_and_touch(args.mode, args.model_dir, args.socket)
+        result = load_and_touch(args.mode, args.model_dir, args.socket, args.level)
     with open(args.out, "w") as out:
         json.dump(result, out)
 

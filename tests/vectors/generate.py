@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightcache.core.checkpoint import INDEX_FILE, open_checkpoint
-from weightcache.core.fingerprint import FORMAT, LEVELS, compute_fingerprint
+from weightcache.core.fingerprint import FORMAT, LEVELS, Level, compute_fingerprint
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.tp import TPPlan
 
@@ -29,9 +29,9 @@ HERE = Path(__file__).parent
 #: The hub case: ``models--acme--tiny`` at this commit.
 HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 #: Shard names whose UTF-16 order (😀 first: U+D83D < U+FF4D) differs from their code
-#: point and UTF-8 order (ｍ first): the component names sort one way in JCS, the shards
-#: the other way in ``layout``.
-UNICODE_SHARDS = ("modèle-ｍ.safetensors", "modèle-😀.safetensors")
+#: point and UTF-8 order (U+FF4D, a fullwidth m, first): the component names sort one way
+#: in JCS, the shards the other way in ``layout``.
+UNICODE_SHARDS = ("modèle-\uff4d.safetensors", "modèle-😀.safetensors")
 #: Shard names that JCS must escape: a control character and a quote.
 ESCAPED_SHARDS = ("a\x01.safetensors", 'b"q.safetensors')
 
@@ -96,8 +96,14 @@ def write_checkpoints() -> None:
     unicode = HERE / "unicode"
     unicode.mkdir()
     named = {
-        UNICODE_SHARDS[0]: {"日本語.weight": _ramp((4, 4), torch.float32), "é": _ramp((3,), torch.float16)},
-        UNICODE_SHARDS[1]: {"😀.bias": _ramp((2,), torch.float32, 5), "zé\\\"q": _ramp((1,), torch.int64)},
+        UNICODE_SHARDS[0]: {
+            "日本語.weight": _ramp((4, 4), torch.float32),
+            "é": _ramp((3,), torch.float16),
+        },
+        UNICODE_SHARDS[1]: {
+            "😀.bias": _ramp((2,), torch.float32, 5),
+            'zé\\"q': _ramp((1,), torch.int64),
+        },
     }
     for file, tensors in named.items():
         save_file(tensors, str(unicode / file))
@@ -142,7 +148,9 @@ CASES: list[tuple[str, str, Recipe, Placement]] = [
         "sharded",
         Recipe(
             dtype="F16",
-            tp_plan=TPPlan((("layers.*.proj.weight", "colwise"), ("layers.*.proj.bias", "colwise"))),
+            tp_plan=TPPlan(
+                (("layers.*.proj.weight", "colwise"), ("layers.*.proj.bias", "colwise"))
+            ),
         ),
         Placement(tp_rank=1, tp_size=2),
     ),
@@ -186,7 +194,7 @@ def vectors() -> dict[str, Any]:
 
 
 def _component_values(
-    checkpoint: Any, recipe: Recipe, placement: Placement, level: str
+    checkpoint: Any, recipe: Recipe, placement: Placement, level: Level
 ) -> dict[str, Any]:
     """The value of each component before JCS, rebuilt from the spec for the record (the
     digests come from ``compute_fingerprint``; ``generate`` checks the two agree)."""
@@ -204,7 +212,7 @@ def _component_values(
         "placement": placement.identity(),
     }
     for shard in checkpoint.shards:
-        values[f"checkpoint/{shard.name}"] = fp_module._shard_identity(checkpoint, shard, level)  # noqa: SLF001
+        values[f"checkpoint/{shard.name}"] = fp_module._shard_identity(checkpoint, shard, level)
     return values
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -102,8 +103,10 @@ def compute_fingerprint(
             for shard in checkpoint.shards
         ]
     }
-    for shard in checkpoint.shards:
-        parts[f"checkpoint/{shard.name}"] = _shard_identity(checkpoint, shard, level)
+    for shard, identity in zip(
+        checkpoint.shards, _shard_identities(checkpoint, level), strict=True
+    ):
+        parts[f"checkpoint/{shard.name}"] = identity
     components.update((name, _digest(value)) for name, value in parts.items())
     components = dict(sorted(components.items()))
     return Fingerprint(digest=_digest(components), level=level, components=components)
@@ -138,6 +141,18 @@ def _digest(value: Any) -> str:
     Scheme): keys sorted by UTF-16 code units, no whitespace, strings as ECMAScript
     ``JSON.stringify`` writes them (non-ASCII characters as themselves, in UTF-8)."""
     return hashlib.sha256(rfc8785.dumps(value)).hexdigest()
+
+
+def _shard_identities(checkpoint: Checkpoint, level: Level) -> list[dict[str, Any]]:
+    """Each shard's identity, in shard order. At ``full`` the shards are hashed in parallel
+    threads (hashlib and ``pread`` release the GIL on large buffers): a first hash of a
+    many-shard checkpoint takes about its largest shard's time on as many cores."""
+    shards = checkpoint.shards
+    if level != "full" or len(shards) < 2:
+        return [_shard_identity(checkpoint, shard, level) for shard in shards]
+    workers = min(len(shards), os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers, thread_name_prefix="weightcache-hash") as pool:
+        return list(pool.map(lambda shard: _shard_identity(checkpoint, shard, level), shards))
 
 
 def _shard_identity(checkpoint: Checkpoint, shard: ShardInfo, level: Level) -> dict[str, Any]:
