@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tests.support import service_stub
 from weightcache._loader import _acquire_request
 from weightcache.core.checkpoint import open_checkpoint
-from weightcache.core.fingerprint import Level, compute_fingerprint
+from weightcache.core.fingerprint import DEFAULT_LEVEL, Level, compute_fingerprint
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.testing import METADATA, SINGLE_FILE, STOP_TIMEOUT, Daemon, DaemonPool, child_env
 from weightcache.testing.daemon import wait_or_kill
@@ -326,7 +326,9 @@ def disk_digest(path: str | os.PathLike[str]) -> str:
 # -- raw RPCs --------------------------------------------------------------------------
 
 
-def acquire_request(path: str | os.PathLike[str], level: Level = "sampled") -> pb.AcquireRequest:
+def acquire_request(
+    path: str | os.PathLike[str], level: Level = DEFAULT_LEVEL
+) -> pb.AcquireRequest:
     """The AcquireRequest by fingerprint that ``weightcache.load(path)`` sends when no model
     was loaded from its very files (stored recipe, rank 0 of 1)."""
     checkpoint = open_checkpoint(path)

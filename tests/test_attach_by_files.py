@@ -28,6 +28,7 @@ from tests.support import (
 )
 from weightcache.core.checkpoint import INDEX_FILE, FileIdentity, file_identities, open_checkpoint
 from weightcache.core.fingerprint import (
+    DEFAULT_LEVEL,
     REQUEST_COMPONENTS,
     Fingerprint,
     Level,
@@ -64,7 +65,7 @@ def _by_files(
     folder: Path,
     *,
     recipe: Recipe | None = None,
-    level: Level = "sampled",
+    level: Level = DEFAULT_LEVEL,
     files: dict[str, FileIdentity] | None = None,
     tensor_format: TensorFormat = "table",
 ) -> pb.AcquireRequest:
@@ -156,7 +157,7 @@ def test_acquire_by_files_grants_the_model_with_its_whole_fingerprint(
     holder: Daemon, copied: Path
 ) -> None:
     with open_checkpoint(copied) as checkpoint:
-        expected = compute_fingerprint(checkpoint, Recipe(), Placement(), "sampled")
+        expected = compute_fingerprint(checkpoint, Recipe(), Placement(), DEFAULT_LEVEL)
 
     table = _acquire(holder.socket, _by_files(copied))
     views = _acquire(holder.socket, _by_files(copied, tensor_format="views"))
@@ -230,7 +231,7 @@ def test_load_of_the_loaded_files_attaches_by_them(
     holder: Daemon, copied: Path, workers: WorkerPool, tmp_path: Path
 ) -> None:
     with open_checkpoint(copied) as checkpoint:
-        expected = compute_fingerprint(checkpoint, Recipe(), Placement(), "sampled")
+        expected = compute_fingerprint(checkpoint, Recipe(), Placement(), DEFAULT_LEVEL)
         metadata = checkpoint.metadata
 
     reply = workers.start().load(copied, socket=holder.socket, dump=tmp_path / "w")

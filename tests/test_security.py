@@ -93,7 +93,7 @@ from tests.support import (
     shm_segments,
 )
 from weightcache.core.checkpoint import open_checkpoint
-from weightcache.core.fingerprint import compute_fingerprint
+from weightcache.core.fingerprint import DEFAULT_LEVEL, compute_fingerprint
 from weightcache.core.protocol import fingerprint_pb, tensor_table_pb, tensor_view_from_pb
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.sockets import segment_tag as socket_tag
@@ -868,7 +868,7 @@ def rogue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rogue]:
     try:
         Path(segment).write_bytes(bytes(arena))
         with open_checkpoint(model) as checkpoint:
-            fp = compute_fingerprint(checkpoint, Recipe(), Placement(), "sampled")
+            fp = compute_fingerprint(checkpoint, Recipe(), Placement(), DEFAULT_LEVEL)
         good = pb.AcquireResponse(
             lease=pb.Lease(lease_id="rogue-lease", model="tiny", instance_id="rogue"),
             # The fingerprint the model has: an Acquire by file identity takes the reply.
