@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -650,6 +652,57 @@ def test_a_shard_truncated_while_loading_frees_the_arena_at_once_and_evict_works
         failure.message,
     )
     assert list_models(daemon.socket) == {}
+    assert daemon.stop() == 0
+    assert_gone(daemon)
+
+
+#: Runs a command with one system call refused by a seccomp filter (see its docstring).
+REFUSE_SYSCALL = Path(__file__).with_name("refuse_syscall.py")
+#: Exits 0 when os.sendfile fails with the errno named in argv[1], 3 on another errno,
+#: 4 when it succeeds.
+SENDFILE_PROBE = """
+import errno, os, sys, tempfile
+with tempfile.TemporaryFile() as src, tempfile.TemporaryFile() as dst:
+    src.write(b"x")
+    src.flush()
+    try:
+        os.sendfile(dst.fileno(), src.fileno(), 0, 1)
+    except OSError as exc:
+        sys.exit(0 if exc.errno == getattr(errno, sys.argv[1]) else 3)
+    sys.exit(4)
+"""
+
+
+def refusing_sendfile(error: str) -> list[str]:
+    """A command prefix that runs its command (by exec, same pid) with every sendfile(2)
+    failing with errno ``error``, as under a seccomp sandbox; checked with a probe process
+    first. Skips the test where the filter cannot be installed."""
+    wrap = [sys.executable, str(REFUSE_SYSCALL), "sendfile", error]
+    probe = subprocess.run(
+        [*wrap, sys.executable, "-c", SENDFILE_PROBE, error], capture_output=True, check=False
+    )
+    if probe.returncode == 2:
+        pytest.skip(f"cannot install a seccomp filter: {probe.stderr.decode(errors='replace')}")
+    assert probe.returncode == 0, (probe.returncode, probe.stderr)
+    return wrap
+
+
+@pytest.mark.parametrize("error", ["EPERM", "EINVAL"])
+def test_preload_with_sendfile_refused_reads_instead_bitwise_equal(
+    daemons: DaemonPool, children: Children, big: Big, error: str
+) -> None:
+    """Stored tensors are copied into the arena by sendfile(2); where the kernel refuses
+    it (a sandbox's EPERM, EINVAL for files it cannot splice) the load reads them instead."""
+    daemon = daemons.start([big.path], wrap=refusing_sendfile(error))
+
+    # The daemon itself runs filtered (Seccomp: 2, filter mode; proc(5)).
+    assert "Seccomp:\t2\n" in Path(f"/proc/{daemon.pid}/status").read_text()
+    model = get_model(daemon.socket, "big")
+    assert (model.state, model.error) == (pb.MODEL_STATE_READY, "")
+    progress = model.progress
+    assert (progress.bytes_done, progress.bytes_total) == (big.total, big.total)
+    assert (progress.tensors_done, progress.tensors_total) == (20, 20)
+    attach(children.one(), big.path, disk_digest(big.path), socket=daemon.socket)
     assert daemon.stop() == 0
     assert_gone(daemon)
 

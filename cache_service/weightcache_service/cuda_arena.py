@@ -64,6 +64,11 @@ class CudaArena:
         fill(staging.numpy().data)
         write_slot(self._base, slot, staging)
 
+    def copy_from_file(self, slot: Slot, fd: int, offset: int) -> int:
+        """Copies nothing (device memory is no file): returns 0, and :meth:`read_into`
+        does the copy."""
+        return 0
+
     def handle(self) -> StorageHandle:
         """The handle: device UUID, the raw 64-byte IPC handle, size. Called once the
         load is done; it waits for every copy to land before anyone can map the arena."""

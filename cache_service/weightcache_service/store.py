@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from weightcache.core.checkpoint import Checkpoint, FileIdentity
 from weightcache.core.errors import (
@@ -28,7 +28,7 @@ from weightcache.core.fingerprint import REQUEST_COMPONENTS, Fingerprint
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.core.records import LoadProgress, ModelInfo, ModelState, StorageHandle, TensorView
-from weightcache_service.arena import Arena, Slot, plan_slots
+from weightcache_service.arena import Arena, Slot, plan_slots, tail
 from weightcache_service.budget import MemoryBudget
 
 
@@ -240,7 +240,12 @@ class Store:
         node = entry.pipeline.nodes[slot.name]
         stored = node.stored
         if stored is not None:
-            arena.read_into(slot, lambda out: reader.read_into(stored, out))
+            done = arena.copy_from_file(slot, entry.checkpoint.fd(stored.shard), stored.begin)
+            if done < slot.nbytes:
+                # Refused, or the file ended: the read path copies the rest, and raises
+                # InvalidCheckpointError for a short or failed read as it always did.
+                rest = replace(stored, begin=stored.begin + done, nbytes=stored.nbytes - done)
+                arena.read_into(tail(slot, done), lambda out: reader.read_into(rest, out))
         else:
             arena.write(slot, materialize(node, reader))
         entry.bytes_done += slot.nbytes

@@ -1,0 +1,190 @@
+"""Preload speed: ``weightcache preload`` of a checkpoint vs ``cp`` of its shards into /dev/shm.
+
+Run with ``.venv/bin/python bench/preload_vs_cp.py [options]``.
+
+1. generate a sharded safetensors checkpoint in a temporary folder under /tmp (the same
+   generator as attach_vs_disk.py: ``--size-gib``, ``--tensors``, ``--shards``);
+2. ``--repeat`` times, interleaved: ``cp`` the shard files into a fresh folder in /dev/shm
+   (timed around the ``cp`` process, then removed), and start a daemon preloading the
+   checkpoint (timed by the model's own ``load_duration``: arena allocation, reading every
+   tensor into it and the final ``check_unchanged``; interpreter start, imports and the
+   fingerprint are not in it), then stop it;
+3. print median, min and max of each and ``cp`` median / preload median (>= 1: preload is
+   at least as fast as ``cp``), and per preload the daemon's peak RSS (``VmHWM``, which
+   counts the arena's pages only where the daemon itself touched them through its
+   mapping) next to the arena's size.
+
+The page cache is warm by default (the files were just written). ``--drop-caches`` (root
+with a writable /proc/sys) drops it before every run; ``--evict`` instead asks the kernel
+to drop the shard files' clean pages (``posix_fadvise(POSIX_FADV_DONTNEED)`` after
+``fsync``), which needs no privilege but is advisory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# bench/ is sys.path[0] when this file runs as a script.
+from attach_vs_disk import (
+    BenchError,
+    drop_caches,
+    fmt_seconds,
+    machine_line,
+    plan_tensors,
+    run_script,
+    write_checkpoint,
+)
+
+from weightcache.testing import run_daemon
+from weightcache.testing.daemon import list_models
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files, sorted."""
+    return sorted(folder.glob("*.safetensors"))
+
+
+def evict(files: list[Path]) -> None:
+    """Ask the kernel to drop the clean cached pages of ``files`` (advisory)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def time_cp(files: list[Path]) -> float:
+    """Seconds of one ``cp`` of ``files`` into a fresh folder under /dev/shm (removed after).
+
+    Raises:
+        BenchError: cp failed.
+    """
+    target = Path(tempfile.mkdtemp(prefix="wcbench-cp-", dir="/dev/shm"))
+    try:
+        begin = time.monotonic()
+        command = ["cp", *map(str, files), str(target)]
+        done = subprocess.run(command, capture_output=True, check=False)
+        seconds = time.monotonic() - begin
+        if done.returncode != 0:
+            raise BenchError(f"cp exited {done.returncode}: {done.stderr.decode()}")
+        return seconds
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def peak_rss(pid: int) -> int:
+    """``VmHWM`` of process ``pid``, in bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise BenchError(f"no VmHWM in /proc/{pid}/status")
+
+
+def time_preload(folder: Path, tmp: Path) -> tuple[float, int, int]:
+    """One daemon preloading ``folder``: the model's load seconds, the daemon's peak RSS
+    in bytes and the arena's size in bytes.
+
+    Raises:
+        HarnessError: the daemon failed to start, load or stop cleanly.
+        BenchError: it reported no load duration.
+    """
+    with run_daemon([folder], log_dir=tmp, timeout=900, new_session=True) as daemon:
+        (model,) = list_models(daemon.socket)
+        if not model.HasField("load_duration"):
+            raise BenchError(f"model {model.name} has no load_duration")
+        seconds = model.load_duration.ToTimedelta().total_seconds()
+        peak = peak_rss(daemon.pid)
+    return seconds, peak, model.size_bytes
+
+
+def run(args: argparse.Namespace, tmp: Path) -> bool:
+    """Steps 1-3 of the module docstring; True once done (a failure raises)."""
+    if args.drop_caches:
+        drop_caches()  # fail before spending a minute generating
+    folder = tmp / "checkpoint"
+    folder.mkdir()
+    specs = plan_tensors(args.tensors, int(args.size_gib * 2**30), args.seed)
+    total = sum(s.nbytes for s in specs)
+    print("weightcache benchmark: preload vs cp into /dev/shm")
+    print(machine_line())
+    print(f"  checkpoint: {total / 2**30:.2f} GiB, {len(specs)} tensors, {args.shards} shards")
+    cache = "COLD (drop_caches)" if args.drop_caches else "WARM"
+    cache = "COLD-ish (fadvise DONTNEED of the shards)" if args.evict else cache
+    print(f"  page cache: {cache} before every run")
+    print(f"  runs: {args.repeat} of each, interleaved (cp, preload, cp, preload, ...)")
+    begin = time.monotonic()
+    write_checkpoint(folder, specs, args.shards, args.seed)
+    print(f"  generated in {time.monotonic() - begin:.1f} s")
+    files = shard_files(folder)
+    size = sum(f.stat().st_size for f in files)
+    cp_s: list[float] = []
+    preload_s: list[float] = []
+    for number in range(args.repeat):
+        for what in ("cp", "preload"):
+            if args.drop_caches:
+                drop_caches()
+            elif args.evict:
+                evict(files)
+            if what == "cp":
+                cp_s.append(time_cp(files))
+                continue
+            seconds, peak, arena = time_preload(folder, tmp)
+            preload_s.append(seconds)
+            print(
+                f"  run {number + 1}: cp {fmt_seconds(cp_s[-1])}, preload {fmt_seconds(seconds)}"
+                f"; daemon peak RSS {peak / 2**20:.0f} MiB (arena {arena / 2**20:.0f} MiB)",
+                flush=True,
+            )
+    print()
+    print(f"  {'':<8}{'median':>10}{'min':>10}{'max':>10}{'GiB/s (median)':>18}")
+    for name, values in (("cp", cp_s), ("preload", preload_s)):
+        median = statistics.median(values)
+        print(
+            f"  {name:<8}{fmt_seconds(median):>10}{fmt_seconds(min(values)):>10}"
+            f"{fmt_seconds(max(values)):>10}{size / 2**30 / median:>18.2f}"
+        )
+    ratio = statistics.median(cp_s) / statistics.median(preload_s)
+    print(f"\n  cp / preload (medians): {ratio:.2f}x")
+    return True
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-gib", type=float, default=2.0, help="checkpoint size, GiB")
+    parser.add_argument("--tensors", type=int, default=300, help="number of tensors")
+    parser.add_argument("--shards", type=int, default=4, help="number of shard files")
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each")
+    parser.add_argument("--seed", type=int, default=0, help="seed of shapes and values")
+    cold = parser.add_mutually_exclusive_group()
+    cold.add_argument("--drop-caches", action="store_true", help="cold disk (root only)")
+    cold.add_argument("--evict", action="store_true", help="fadvise DONTNEED the shards")
+    args = parser.parse_args()
+    if min(args.tensors, args.shards, args.repeat) < 1 or args.size_gib <= 0:
+        parser.error("--size-gib, --tensors, --shards and --repeat must be positive")
+    if args.shards > args.tensors:
+        parser.error("--shards must not exceed --tensors")
+    return args
+
+
+def main() -> int:
+    """Run the benchmark; returns the exit status."""
+    args = parse_args()
+    ok = run_script("wcbench-", functools.partial(run, args), (BenchError,))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
