@@ -369,16 +369,22 @@ def print_setup(specs: list[Spec], shards: int, folder: Path, args: argparse.Nam
     print(f"  modes: {', '.join(args.modes)}; ratios against {args.baseline}")
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of integers (an argparse ``type``)."""
     return [int(part) for part in text.split(",")]
 
 
-def _mode_list(text: str) -> list[str]:
-    modes = text.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {MODES}")
-    return modes
+def mode_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type`` reading a comma-separated list of modes out of ``choices``."""
+
+    def parse(text: str) -> list[str]:
+        modes = text.split(",")
+        unknown = sorted(set(modes) - set(choices))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {choices}")
+        return modes
+
+    return parse
 
 
 def parse_args() -> argparse.Namespace:
@@ -386,14 +392,17 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-gib", type=float, default=2.0, help="checkpoint size, GiB")
     parser.add_argument(
-        "--tensors", type=_int_list, default=[300], help="number of tensors; a list sweeps"
+        "--tensors", type=int_list, default=[300], help="number of tensors; a list sweeps"
     )
     parser.add_argument("--shards", type=int, default=4, help="number of shard files")
     parser.add_argument("--repeat", type=int, default=5, help="runs per mode")
     parser.add_argument("--seed", type=int, default=0, help="seed of shapes and values")
     parser.add_argument("--drop-caches", action="store_true", help="cold disk (root only)")
     parser.add_argument(
-        "--modes", type=_mode_list, default=_mode_list(DEFAULT_MODES), help="modes to time"
+        "--modes",
+        type=mode_list(MODES),
+        default=mode_list(MODES)(DEFAULT_MODES),
+        help="modes to time",
     )
     parser.add_argument("--baseline", default="disk", help="mode the ratios are against")
     args = parser.parse_args()

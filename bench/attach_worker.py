@@ -40,29 +40,10 @@ import torch
 
 import weightcache
 from weightcache import Placement, Recipe
+from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS, Level
 
 MODES = ("attach", "copy", "disk", "safetensors", "fingerprint", "safe_open", "torch_load", "mmap")
-#: safetensors dtype name -> torch dtype, for the ``mmap`` mode (the benchmarks write BF16,
-#: F16 and F32; another dtype fails with a KeyError naming it).
-ST_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "U16": torch.uint16,
-    "I16": torch.int16,
-    "U32": torch.uint32,
-    "I32": torch.int32,
-    "U64": torch.uint64,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 def touch(tensors: dict[str, torch.Tensor]) -> int:
@@ -114,15 +95,7 @@ def shards(model_dir: str) -> list[str]:
 def safetensors_and_touch(model_dir: str) -> dict[str, object]:
     """``safetensors.torch.load_file`` of every shard and touch (the reference loader);
     returns the result fields. Listing the shards is not timed."""
-    files = shards(model_dir)
-    load_file = safetensors.torch.load_file
-    start = time.perf_counter()
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        tensors.update(load_file(path))
-    touched = touch(tensors)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "source": "disk", "tensors": len(tensors), "touched": touched}
+    return _per_shard(model_dir, safetensors.torch.load_file)
 
 
 def safe_open_and_touch(model_dir: str) -> dict[str, object]:
@@ -164,7 +137,7 @@ def mmap_views(path: str) -> dict[str, torch.Tensor]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = ST_DTYPES[info["dtype"]]
+        dtype = TORCH_DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
         count = (end - begin) // dtype.itemsize
         if count:
@@ -178,11 +151,18 @@ def mmap_views(path: str) -> dict[str, torch.Tensor]:
 def mmap_and_touch(model_dir: str) -> dict[str, object]:
     """:func:`mmap_views` of every shard and touch; returns the result fields. Listing the
     shards is not timed."""
-    files = shards(model_dir)
+    return _per_shard(model_dir, mmap_views)
+
+
+def _per_shard(
+    model_dir: str, load_shard: Callable[[str], dict[str, torch.Tensor]]
+) -> dict[str, object]:
+    """Time ``load_shard`` of every shard then the touch; the result fields."""
+    files = shards(model_dir)  # before the clock
     start = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        tensors.update(mmap_views(path))
+        tensors.update(load_shard(path))
     touched = touch(tensors)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "source": "disk", "tensors": len(tensors), "touched": touched}

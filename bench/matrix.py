@@ -43,8 +43,10 @@ from attach_vs_disk import (
     BenchError,
     fmt_seconds,
     generate,
+    int_list,
     machine_line,
     measure,
+    mode_list,
     new_checkpoint,
     preloaded,
     print_header,
@@ -286,31 +288,22 @@ def run_matrix(args: argparse.Namespace, tmp: Path) -> bool:
     return True
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",")]
-
-
-def _mode_list(text: str) -> list[str]:
-    modes = text.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {MODES}")
-    return modes
-
-
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--full", action="store_true", help="sweep 100..100k tensors x 64 MiB..1 GiB"
     )
-    parser.add_argument("--tensors", type=_int_list, help="tensor counts (overrides the grid's)")
-    parser.add_argument("--sizes-mib", type=_int_list, help="total sizes, MiB (overrides)")
+    parser.add_argument("--tensors", type=int_list, help="tensor counts (overrides the grid's)")
+    parser.add_argument("--sizes-mib", type=int_list, help="total sizes, MiB (overrides)")
     parser.add_argument("--repeat", type=int, help="runs per mode and cell (quick 2, full 5)")
     parser.add_argument("--shards", type=int, default=4, help="number of shard files")
     parser.add_argument("--seed", type=int, default=0, help="seed of shapes and values")
     parser.add_argument(
-        "--modes", type=_mode_list, default=list(MODES), help="modes to time (load_file always)"
+        "--modes",
+        type=mode_list(MODES),
+        default=list(MODES),
+        help="modes to time (load_file always)",
     )
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).with_name("results"), help="output folder"

@@ -78,47 +78,52 @@ def write_checkpoints() -> None:
         str(single / "model.safetensors"),
         metadata={"format": "pt"},  # one key: safetensors writes a map in no fixed order
     )
-    sharded = HERE / "sharded"
-    sharded.mkdir()
-    shards = {
-        "model-00001-of-00002.safetensors": {
-            "layers.0.proj.weight": _ramp((8, 6), torch.float32),
-            "layers.0.proj.bias": _ramp((6,), torch.float32, 1),
+    _write_sharded(
+        HERE / "sharded",
+        {
+            "model-00001-of-00002.safetensors": {
+                "layers.0.proj.weight": _ramp((8, 6), torch.float32),
+                "layers.0.proj.bias": _ramp((6,), torch.float32, 1),
+            },
+            "model-00002-of-00002.safetensors": {
+                "layers.1.proj.weight": _ramp((8, 6), torch.bfloat16, 2),
+                "layers.1.proj.bias": _ramp((6,), torch.float16, 3),
+            },
         },
-        "model-00002-of-00002.safetensors": {
-            "layers.1.proj.weight": _ramp((8, 6), torch.bfloat16, 2),
-            "layers.1.proj.bias": _ramp((6,), torch.float16, 3),
+    )
+    _write_sharded(
+        HERE / "unicode",
+        {
+            UNICODE_SHARDS[0]: {
+                "日本語.weight": _ramp((4, 4), torch.float32),
+                "é": _ramp((3,), torch.float16),
+            },
+            UNICODE_SHARDS[1]: {
+                "😀.bias": _ramp((2,), torch.float32, 5),
+                'zé\\"q': _ramp((1,), torch.int64),
+            },
         },
-    }
-    for file, tensors in shards.items():
-        save_file(tensors, str(sharded / file))
-    _write_index(sharded, shards)
-    unicode = HERE / "unicode"
-    unicode.mkdir()
-    named = {
-        UNICODE_SHARDS[0]: {
-            "日本語.weight": _ramp((4, 4), torch.float32),
-            "é": _ramp((3,), torch.float16),
-        },
-        UNICODE_SHARDS[1]: {
-            "😀.bias": _ramp((2,), torch.float32, 5),
-            'zé\\"q': _ramp((1,), torch.int64),
-        },
-    }
-    for file, tensors in named.items():
-        save_file(tensors, str(unicode / file))
-    _write_index(unicode, named)
-    names = HERE / "names"
-    names.mkdir()
+    )
     # Integer-like tensor names: ECMAScript's JSON.parse would list them first, ascending.
-    escaped = {
-        ESCAPED_SHARDS[0]: {"10": _ramp((70,), torch.float32), "2": _ramp((3,), torch.float32, 1)},
-        ESCAPED_SHARDS[1]: {"x": _ramp((2,), torch.int64), "7": _ramp((60,), torch.float32, 2)},
-    }
-    for file, tensors in escaped.items():
-        save_file(tensors, str(names / file))
-    _write_index(names, escaped)
+    _write_sharded(
+        HERE / "names",
+        {
+            ESCAPED_SHARDS[0]: {
+                "10": _ramp((70,), torch.float32),
+                "2": _ramp((3,), torch.float32, 1),
+            },
+            ESCAPED_SHARDS[1]: {"x": _ramp((2,), torch.int64), "7": _ramp((60,), torch.float32, 2)},
+        },
+    )
     _write_hub(HERE / "hub")
+
+
+def _write_sharded(folder: Path, shards: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Each shard file, then the index naming them."""
+    folder.mkdir()
+    for file, tensors in shards.items():
+        save_file(tensors, str(folder / file))
+    _write_index(folder, shards)
 
 
 def _write_hub(root: Path) -> None:
