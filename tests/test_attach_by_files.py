@@ -271,3 +271,21 @@ def test_weights_attached_by_files_read_their_checkpoint_on_first_access(
         assert checkpoint.root == copied.resolve()
         assert sorted(checkpoint.tensors) == sorted(weights.tensors)
         assert weights.checkpoint is checkpoint
+
+
+def test_a_single_file_given_as_such_attaches_by_identity_and_reads_that_file(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    folder = tmp_path / "one"
+    folder.mkdir()
+    weights_file = folder / "weights.safetensors"
+    shutil.copyfile(checkpoints.single / "model.safetensors", weights_file)
+    daemon = daemons.start([weights_file])
+
+    with weightcache.load(weights_file, socket=daemon.socket, fallback=False) as weights:
+        checkpoint = weights.checkpoint
+
+        assert weights.source == "cache"
+        assert _matches(daemon) == ["files"]
+        assert [shard.name for shard in checkpoint.shards] == ["weights.safetensors"]
+        assert_bitwise_equal(weights.tensors, checkpoints.tensors)

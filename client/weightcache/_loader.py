@@ -341,7 +341,7 @@ def _attach_by_files(
     except WeightCacheError as err:  # DeviceNotVisibleError: the device names the socket
         return err
     try:
-        return attach.run_by_files(root, components, files, opts.fingerprint_level)
+        return attach.run_by_files(root, components, files, opts.fingerprint_level, Path(model_dir))
     except WeightCacheError as err:
         return None if err.reason in _ASK_BY_FINGERPRINT else err
 
@@ -453,13 +453,20 @@ class _Attach:
             WeightCacheError: the daemon refuses, or its storage cannot be mapped.
         """
         request = _acquire_request(checkpoint.root, fp, self.ttl)
-        return self._acquire(request, lambda _: fp, checkpoint, None)
+        return self._acquire(request, lambda _: fp, checkpoint, by_files=False)
 
     def run_by_files(
-        self, root: Path, components: dict[str, str], files: dict[str, FileIdentity], level: Level
+        self,
+        root: Path,
+        components: dict[str, str],
+        files: dict[str, FileIdentity],
+        level: Level,
+        given: Path,
     ) -> LoadedWeights:
-        """Acquire the model loaded from ``files`` with the request ``components`` and map
-        it; the weights carry the daemon's fingerprint of it.
+        """Acquire the model loaded from ``files`` (in the folder ``root``) with the request
+        ``components`` and map it; the weights carry the daemon's fingerprint of it, and
+        read their checkpoint from ``given`` (the folder or file ``load`` was given) at
+        first access.
 
         Raises:
             WeightCacheError: the daemon refuses (MODEL_NOT_FOUND: nothing was loaded from
@@ -479,14 +486,14 @@ class _Attach:
                 )
             return fp
 
-        return self._acquire(request, held, root, request)
+        return self._acquire(request, held, given, by_files=True)
 
     def _acquire(
         self,
         request: pb.AcquireRequest,
         fingerprint_of: Callable[[pb.AcquireResponse], Fingerprint],
         checkpoint: Checkpoint | Path,
-        by_files: pb.AcquireRequest | None,
+        by_files: bool,
     ) -> LoadedWeights:
         owner = self._check_socket()
         reply = _acquire_with_wait(
@@ -511,7 +518,8 @@ class _Attach:
             checkpoint=checkpoint,
             socket=self.socket,
             model=reply.model.name,
-            metadata=dict(reply.model.metadata) if by_files is not None else None,
+            # Unread by file identity: the daemon's copy of the same header's metadata.
+            metadata=dict(reply.model.metadata) if by_files else None,
         )
         if self.mode == "copy":
             release(self.socket, lease_id)
