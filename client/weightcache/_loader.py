@@ -243,6 +243,11 @@ def load(
     keywords is a ``TypeError``. With neither, every option has its default: the daemon
     of the CPU at its default socket (:func:`weightcache.default_socket`).
 
+    When the checkpoint's files are the very files the daemon loaded (same device, inode,
+    size, mtime and ctime), nothing of them is read: the daemon is asked for the model by
+    file identity (``docs/protocol.md``). Otherwise, or when it answers that it holds no
+    such model, the headers are validated and the fingerprint computed from the files.
+
     Args:
         model_dir: checkpoint folder (``model.safetensors`` or a sharded index).
         options: every option, field by field in :class:`LoadOptions` (socket, device,
