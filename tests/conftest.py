@@ -19,17 +19,6 @@ from weightcache.testing import Checkpoints, DaemonPool, WorkerPool
 pytest_plugins = ["weightcache.testing.pytest_plugin"]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def private_hash_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Every process of the session (daemons and workers inherit the environment) keeps
-    its remembered file digests in a folder of the session's, not in the user's
-    ``~/.cache``: the default level, ``full``, hashes every checkpoint a test loads."""
-    folder = tmp_path_factory.mktemp("hash-cache")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("WEIGHTCACHE_HASH_CACHE", str(folder))
-        yield folder
-
-
 @pytest.fixture(scope="session")
 def checkpoints(wc_checkpoints: Checkpoints) -> Checkpoints:
     return wc_checkpoints

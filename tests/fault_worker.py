@@ -52,11 +52,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import MutableMapping
 from typing import Any
 
 import torch
-from structlog.testing import capture_logs
 
 import weightcache
 from weightcache.testing.protocol import (
@@ -67,6 +65,7 @@ from weightcache.testing.protocol import (
     tensor_digest,
 )
 from weightcache.testing.protocol import describe as describe_with_components
+from weightcache.testing.worker import timed_load
 
 
 def describe(exc: BaseException) -> dict[str, Any]:
@@ -120,20 +119,9 @@ class WorkerState:
 
     def load(self, cmd: dict[str, Any]) -> dict[str, Any]:
         key = cmd["key"]
-        kwargs = dict(cmd.get("kwargs") or {})
-        if cmd.get("lost_callback"):
-            kwargs["on_lease_lost"] = functools.partial(self.on_lost, key)
-        logs: list[MutableMapping[str, Any]] = []
-        t0 = time.monotonic()
-        try:
-            if cmd.get("capture_logs"):
-                with capture_logs() as logs:
-                    weights = weightcache.load(cmd["path"], **kwargs)
-            else:
-                weights = weightcache.load(cmd["path"], **kwargs)
-        except weightcache.WeightCacheError as err:
-            return {"ok": False, "error": describe(err), "t0": t0, "t1": time.monotonic()}
-        t1 = time.monotonic()
+        weights, logs, t0, t1 = timed_load(cmd, functools.partial(self.on_lost, key))
+        if isinstance(weights, weightcache.WeightCacheError):
+            return {"ok": False, "error": describe(weights), "t0": t0, "t1": t1}
         self.weights[key] = weights
         tensors = self.tensors[key] = weights.tensors
         reason = weights.fallback_reason

@@ -171,3 +171,16 @@ def test_a_path_preloaded_at_every_tensor_parallel_rank_is_ready(tmp_path: Path)
     assert {m.state for m in held} == {pb.MODEL_STATE_READY}
     assert not os.path.lexists(socket)
     assert shm_segments(segment_tag(socket)) == []
+
+
+def test_plugin_processes_remember_digests_in_the_sessions_folder(
+    wc_hash_cache: Path, wc_checkpoints: Checkpoints, wc_daemons: DaemonPool
+) -> None:
+    shard = wc_checkpoints.single / "model.safetensors"
+    info = os.stat(shard)
+    key = f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}"
+
+    wc_daemons.start([wc_checkpoints.single])  # fingerprints at the default level, full
+
+    assert os.environ["WEIGHTCACHE_HASH_CACHE"] == str(wc_hash_cache)
+    assert (wc_hash_cache / key).read_text() == hashlib.sha256(shard.read_bytes()).hexdigest()

@@ -59,21 +59,20 @@ class Entry:
     handle: StorageHandle | None = None
     #: The recipe as applied (plan found, plugin steps): what the model is reported with.
     resolved: Recipe = field(init=False)
-    #: Every file the load read (shards, index), by name, as it was when opened.
-    files: dict[str, FileIdentity] = field(init=False)
 
     def __post_init__(self) -> None:
         self.resolved = self.pipeline.resolved()
-        self.files = self.checkpoint.file_identities()
 
     def loaded_from(self, components: dict[str, str], files: dict[str, FileIdentity]) -> bool:
         """Whether this model has the request components ``components`` (format, placement,
         recipe) and was loaded from ``files``: each file it read is there, by name, with the
         same identity (dev, inode, size, mtime, ctime), so it is the same file, unchanged."""
-        mine = self.fingerprint.components
-        if any(mine.get(name) != components.get(name) for name in REQUEST_COMPONENTS):
+        held = self.fingerprint.components
+        if any(held.get(name) != components.get(name) for name in REQUEST_COMPONENTS):
             return False
-        return bool(self.files) and all(files.get(n) == i for n, i in self.files.items())
+        # Every file the load read (shards, index), as it was when opened.
+        read = self.checkpoint.file_identities()
+        return bool(read) and all(files.get(n) == i for n, i in read.items())
 
     def progress(self) -> LoadProgress:
         """How far the load has come."""

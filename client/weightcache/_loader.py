@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal, Unpack
+from typing import ClassVar, Literal, Union, Unpack
 
 import structlog
 import torch
@@ -280,11 +280,27 @@ def load(
     with _gc_paused():
         placement = Placement(opts.tp_rank, opts.tp_size)
         recipe = _recipe_of(opts)
-        attempt = _attach_by_files(model_dir, recipe, placement, opts)
+        attach = _attach_of(opts)
+        attempt = _attach_by_files(model_dir, recipe, placement, opts, attach)
         if isinstance(attempt, LoadedWeights):
             return attempt
         with open_checkpoint(model_dir) as checkpoint:
-            return _load_checkpoint(checkpoint, recipe, placement, opts, attempt)
+            return _load_checkpoint(
+                checkpoint, recipe, placement, opts, attach=attach, refusal=attempt
+            )
+
+
+#: How to attach, or why the options name no daemon: a ``ValueError`` (no such device),
+#: raised once the checkpoint is known to be valid, or a ``WeightCacheError``
+#: (``DeviceNotVisibleError``), the attach's refusal.
+_AttachOrError = Union["_Attach", ValueError, WeightCacheError]
+
+
+def _attach_of(opts: LoadOptions) -> _AttachOrError:
+    try:
+        return _Attach.of(opts)
+    except (ValueError, WeightCacheError) as err:
+        return err
 
 
 def _load_checkpoint(
@@ -292,6 +308,8 @@ def _load_checkpoint(
     recipe: Recipe,
     placement: Placement,
     opts: LoadOptions,
+    *,
+    attach: _AttachOrError,
     refusal: WeightCacheError | None,
 ) -> LoadedWeights:
     """Attach by fingerprint, or load from disk; ``refusal`` is the daemon's final answer
@@ -302,7 +320,9 @@ def _load_checkpoint(
     try:
         if refusal is not None:
             raise refusal
-        return _Attach.of(opts).run(checkpoint, fp)
+        if not isinstance(attach, _Attach):
+            raise attach
+        return attach.run(checkpoint, fp)
     except WeightCacheError as err:
         if not opts.fallback or err.reason not in _FALLBACK_REASONS:
             raise
@@ -320,7 +340,11 @@ _ASK_BY_FINGERPRINT = frozenset({"MODEL_NOT_FOUND", "FINGERPRINT_MISMATCH", "INV
 
 
 def _attach_by_files(
-    model_dir: str | os.PathLike[str], recipe: Recipe, placement: Placement, opts: LoadOptions
+    model_dir: str | os.PathLike[str],
+    recipe: Recipe,
+    placement: Placement,
+    opts: LoadOptions,
+    attach: _AttachOrError,
 ) -> LoadedWeights | WeightCacheError | None:
     """Attach without reading the checkpoint: ask for the model loaded from these very
     files (same dev, inode, size, mtime, ctime), whose headers and content the daemon has
@@ -333,18 +357,17 @@ def _attach_by_files(
         computed and sent (no model from these files, a recipe or option the slow path
         reports, a folder that cannot be listed).
     """
+    if isinstance(attach, WeightCacheError):  # DeviceNotVisibleError: no socket to ask
+        return attach
     found = file_identities(model_dir)
-    if found is None:
+    if found is None or isinstance(attach, ValueError):
         return None
     root, files = found
     try:
         identity = recipe.identity(root, placement)
         components = request_components(identity, placement, opts.fingerprint_level)
-        attach = _Attach.of(opts)
     except ValueError:  # RecipeError included: building the recipe raises it again
         return None
-    except WeightCacheError as err:  # DeviceNotVisibleError: the device names the socket
-        return err
     try:
         return attach.run_by_files(root, components, files, opts.fingerprint_level, Path(model_dir))
     except WeightCacheError as err:
@@ -458,7 +481,7 @@ class _Attach:
             WeightCacheError: the daemon refuses, or its storage cannot be mapped.
         """
         request = _acquire_request(checkpoint.root, fp, self.ttl)
-        return self._acquire(request, lambda _: fp, checkpoint, by_files=False)
+        return self._acquire(request, lambda _: fp, checkpoint)
 
     def run_by_files(
         self,
@@ -491,14 +514,13 @@ class _Attach:
                 )
             return fp
 
-        return self._acquire(request, held, given, by_files=True)
+        return self._acquire(request, held, given)
 
     def _acquire(
         self,
         request: pb.AcquireRequest,
         fingerprint_of: Callable[[pb.AcquireResponse], Fingerprint],
         checkpoint: Checkpoint | Path,
-        by_files: bool,
     ) -> LoadedWeights:
         owner = self._check_socket()
         reply = _acquire_with_wait(
@@ -523,8 +545,9 @@ class _Attach:
             checkpoint=checkpoint,
             socket=self.socket,
             model=reply.model.name,
-            # Unread by file identity: the daemon's copy of the same header's metadata.
-            metadata=dict(reply.model.metadata) if by_files else None,
+            # The daemon's copy of the same header's: by fingerprint, the layout component
+            # covers every header; by file identity, the headers are the same files'.
+            metadata=dict(reply.model.metadata),
         )
         if self.mode == "copy":
             release(self.socket, lease_id)

@@ -11,7 +11,11 @@ Fixtures:
   segment (after a SIGKILL, a fresh daemon on the same socket must remove the dead one's);
 - ``wc_module_daemons``: the same, shared by one module's tests;
 - ``wc_workers``: a :class:`~weightcache.testing.WorkerPool`; its workers end after the
-  test, before its daemons stop (their leases are released first).
+  test, before its daemons stop (their leases are released first);
+- ``wc_hash_cache`` (session, used by every test): ``$WEIGHTCACHE_HASH_CACHE`` set to a
+  temporary folder for the session, so that the daemons and workers it starts (they
+  inherit the environment) remember file digests there, not in the user's ``~/.cache``
+  (the default fingerprint level, ``full``, hashes every checkpoint loaded).
 """
 
 from __future__ import annotations
@@ -24,6 +28,15 @@ import pytest
 from weightcache.testing.checkpoints import Checkpoints, make_checkpoints
 from weightcache.testing.daemon import DaemonPool, daemon_pool
 from weightcache.testing.driver import WorkerPool, worker_pool
+
+
+@pytest.fixture(scope="session", autouse=True)
+def wc_hash_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's folder of remembered file digests (``$WEIGHTCACHE_HASH_CACHE``)."""
+    folder = tmp_path_factory.mktemp("hash-cache")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WEIGHTCACHE_HASH_CACHE", str(folder))
+        yield folder
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, TextIO
 
 import torch
@@ -69,21 +69,15 @@ class WorkerState:
 
     def load(self, cmd: dict[str, Any]) -> dict[str, Any]:
         key = cmd["key"]
-        kwargs = dict(cmd.get("kwargs") or {})
-        if cmd.get("lost_callback"):
-            kwargs["on_lease_lost"] = functools.partial(self.on_lost, key)
-        logs: list[MutableMapping[str, Any]] = []
-        start = time.monotonic()
-        try:
-            if cmd.get("capture_logs"):
-                with capture_logs() as logs:
-                    weights = weightcache.load(cmd["path"], **kwargs)
-            else:
-                weights = weightcache.load(cmd["path"], **kwargs)
-        except weightcache.WeightCacheError as err:
-            elapsed = time.monotonic() - start
-            return {"ok": False, "error": describe(err), "elapsed": elapsed, "logs": jsonable(logs)}
-        elapsed = time.monotonic() - start
+        weights, logs, start, end = timed_load(cmd, functools.partial(self.on_lost, key))
+        elapsed = end - start
+        if isinstance(weights, weightcache.WeightCacheError):
+            return {
+                "ok": False,
+                "error": describe(weights),
+                "elapsed": elapsed,
+                "logs": jsonable(logs),
+            }
         self.weights[key] = weights
         tensors = weights.tensors
         if cmd.get("dump"):
@@ -159,6 +153,38 @@ class WorkerState:
     def close_all(self) -> None:
         for weights in self.weights.values():
             weights.close()
+
+
+def timed_load(
+    cmd: dict[str, Any], on_lost: Callable[[weightcache.LeaseLostError], None]
+) -> tuple[
+    weightcache.LoadedWeights | weightcache.WeightCacheError,
+    list[MutableMapping[str, Any]],
+    float,
+    float,
+]:
+    """``weightcache.load(cmd["path"], **cmd["kwargs"])`` as a worker's ``load`` command
+    runs it: with ``on_lost`` as the lease-lost callback when ``cmd["lost_callback"]``, its
+    logs captured when ``cmd["capture_logs"]``.
+
+    Returns:
+        The weights, or the ``WeightCacheError`` it raised; the captured log events; and
+        ``time.monotonic()`` before and after the call, in seconds.
+    """
+    kwargs = dict(cmd.get("kwargs") or {})
+    if cmd.get("lost_callback"):
+        kwargs["on_lease_lost"] = on_lost
+    logs: list[MutableMapping[str, Any]] = []
+    start = time.monotonic()
+    try:
+        if cmd.get("capture_logs"):
+            with capture_logs() as logs:
+                weights = weightcache.load(cmd["path"], **kwargs)
+        else:
+            weights = weightcache.load(cmd["path"], **kwargs)
+    except weightcache.WeightCacheError as err:
+        return err, logs, start, time.monotonic()
+    return weights, logs, start, time.monotonic()
 
 
 def dump(tensors: dict[str, torch.Tensor], path: str) -> None:
