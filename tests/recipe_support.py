@@ -339,7 +339,11 @@ def write_hub_repo(
 
 
 class HashCounter:
-    """Wraps ``weightcache.core.hashcache._hash``: the files actually read, in order."""
+    """Wraps ``weightcache.core.hashcache._hash``: the files actually read.
+
+    Shards are hashed in parallel threads, so the order of reads is not
+    defined: :meth:`take` returns the names sorted.
+    """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.read: list[str] = []
@@ -353,5 +357,6 @@ class HashCounter:
         monkeypatch.setattr(weightcache.core.hashcache, "_hash", counting)
 
     def take(self) -> list[str]:
+        """The base names read since the last call, sorted (repeats kept)."""
         read, self.read = self.read, []
-        return read
+        return sorted(read)

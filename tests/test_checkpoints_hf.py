@@ -195,7 +195,7 @@ def test_full_fingerprint_of_blobs_is_their_bytes_read_once(
     plain = tmp_path / "plain"
     shutil.copytree(setup.hub.snapshot, plain)  # follows the symlinks: plain files
     assert not any(p.is_symlink() for p in plain.iterdir())
-    blob_names = [setup.hub.blobs[shard].name for shard in (SHARD_1, SHARD_2)]
+    blob_names = sorted(setup.hub.blobs[shard].name for shard in (SHARD_1, SHARD_2))
 
     from_blobs = _full(setup.hub.snapshot)
     again = _full(setup.hub.snapshot)
