@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -11,6 +12,10 @@ import grpc
 from weightcache.core.errors import DaemonUnavailableError
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+
+# grpc imports its channel module on a process's first insecure_channel (about 4 ms here,
+# bench/README.md): imported with the SDK instead, a worker's first load() does not pay it.
+importlib.import_module("grpc._channel")
 
 T = TypeVar("T")
 #: The service's full name: what a daemon's gRPC health service reports SERVING once its
