@@ -1,0 +1,24 @@
+// Which model to ask for: fills an AcquireRequest's identity (fingerprint, files,
+// checkpoint_path) in one of the modes of args.h.
+#pragma once
+
+#include <string>
+
+#include "args.h"
+#include "weightcache/v1/weight_cache_service.grpc.pb.h"
+
+namespace wcw {
+
+namespace v1 = ::weightcache::v1;
+
+// Fills `request` for `args.mode`. Returns how the daemon will match the model: "files"
+// (the daemon checks that these are the files it loaded) or "fingerprint" (the worker sends
+// a digest; in the trust-the-daemon modes, one the daemon itself reported).
+// Throws WorkerError: a failed ListModels/GetModel, or no model loaded from the path.
+std::string fill_identity(const Args& args, v1::WeightCacheService::Stub& stub,
+                          v1::AcquireRequest* request);
+
+// Lowercase hex sha256 of `bytes`.
+std::string sha256_hex(const void* bytes, size_t size);
+
+}  // namespace wcw
