@@ -103,7 +103,7 @@ std::vector<const v1::TensorView*> select(const v1::AcquireResponse& response, c
   std::set<std::string> wanted(args.tensors.begin(), args.tensors.end());
   std::vector<const v1::TensorView*> views;
   for (const auto& view : response.tensors()) {
-    if (wanted.empty() || wanted.erase(view.name()) > 0) views.push_back(&view);
+    if (args.tensors.empty() || wanted.erase(view.name()) > 0) views.push_back(&view);
   }
   if (!wanted.empty()) {
     fail(kTensorNotFound, "TENSOR_NOT_FOUND", "no tensor '" + *wanted.begin() + "' in the model");
