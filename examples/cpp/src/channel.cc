@@ -27,7 +27,9 @@ static uid_t check_one(const std::string& path, mode_t kind, const std::string& 
   if (S_ISLNK(st.st_mode)) {
     fail(kUntrustedSocket, "UNTRUSTED_SOCKET", path + ": the daemon's " + what + " is a symlink");
   }
-  if ((st.st_mode & S_IFMT) != kind) fail(kUntrustedSocket, "UNTRUSTED_SOCKET", path + ": not a " + what);
+  if ((st.st_mode & S_IFMT) != kind) {
+    fail(kUntrustedSocket, "UNTRUSTED_SOCKET", path + ": not a " + what);
+  }
   if (st.st_uid != geteuid() && st.st_uid != 0) {
     fail(kUntrustedSocket, "UNTRUSTED_SOCKET",
          path + ": the daemon's " + what + " belongs to uid " + std::to_string(st.st_uid));

@@ -33,19 +33,23 @@ namespace wcw {
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 constexpr int kRpcTimeoutS = 10;
 
+std::string to_hex(const unsigned char* bytes, size_t size) {
+  static const char* kHex = "0123456789abcdef";
+  std::string hex;
+  for (size_t i = 0; i < size; ++i) {
+    hex += kHex[bytes[i] >> 4];
+    hex += kHex[bytes[i] & 0xf];
+  }
+  return hex;
+}
+
 std::string sha256_hex(const void* bytes, size_t size) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int length = 0;
   if (EVP_Digest(bytes, size, digest, &length, EVP_sha256(), nullptr) != 1) {
     fail(kInternal, "INTERNAL", "OpenSSL EVP_Digest(sha256) failed");
   }
-  static const char* kHex = "0123456789abcdef";
-  std::string hex;
-  for (unsigned int i = 0; i < length; ++i) {
-    hex += kHex[digest[i] >> 4];
-    hex += kHex[digest[i] & 0xf];
-  }
-  return hex;
+  return to_hex(digest, length);
 }
 
 // The "format", "placement" and "recipe" components of a worker that applies no recipe and

@@ -18,6 +18,9 @@ namespace v1 = ::weightcache::v1;
 std::string fill_identity(const Args& args, v1::WeightCacheService::Stub& stub,
                           v1::AcquireRequest* request);
 
+// `size` bytes in lowercase hex.
+std::string to_hex(const unsigned char* bytes, size_t size);
+
 // Lowercase hex sha256 of `bytes`.
 std::string sha256_hex(const void* bytes, size_t size);
 

@@ -8,7 +8,8 @@ namespace v1 = ::weightcache::v1;
 constexpr auto kCloseWait = std::chrono::seconds(5);
 
 static LeaseKeeper::Clock::duration ttl_of(const v1::Lease& lease) {
-  auto ttl = std::chrono::seconds(lease.ttl().seconds()) + std::chrono::nanoseconds(lease.ttl().nanos());
+  auto ttl = std::chrono::seconds(lease.ttl().seconds()) +
+             std::chrono::nanoseconds(lease.ttl().nanos());
   // The daemon always grants a TTL (at least 1 s); 10 s is its default, should one be missing.
   if (ttl <= std::chrono::nanoseconds::zero()) ttl = std::chrono::seconds(10);
   return std::chrono::duration_cast<LeaseKeeper::Clock::duration>(ttl);

@@ -47,7 +47,7 @@ constexpr auto kLoadingPatience = std::chrono::seconds(30);
 std::string request_id() {
   unsigned char bytes[16];
   if (RAND_bytes(bytes, sizeof bytes) != 1) fail(kInternal, "INTERNAL", "RAND_bytes failed");
-  return sha256_hex(bytes, sizeof bytes).substr(0, 32);
+  return to_hex(bytes, sizeof bytes);
 }
 
 bool is_loading(const grpc::Status& status) {
@@ -117,9 +117,10 @@ json read_tensors(const std::vector<const v1::TensorView*>& views, const Segment
   for (const auto* view : views) {
     check_view(*view, segment.size());
     auto nbytes = view_nbytes(*view);
+    std::vector<std::int64_t> shape(view->shape().begin(), view->shape().end());
     tensors.push_back({{"name", view->name()},
                        {"dtype", view->dtype()},
-                       {"shape", std::vector<std::int64_t>(view->shape().begin(), view->shape().end())},
+                       {"shape", shape},
                        {"nbytes", nbytes},
                        {"sha256", sha256_hex(segment.data() + view->byte_offset(),
                                              static_cast<size_t>(nbytes))}});
@@ -155,14 +156,20 @@ json attach(const Args& args) {
   }
   // Step 7, on success and failure alike: a lease is never left to expire.
   keeper.stop_renewing();
-  release(*stub, lease_id);
+  try {
+    release(*stub, lease_id);
+  } catch (const WorkerError& e) {
+    if (!error) error = e;  // the first failure is the one to report
+  }
   keeper.close();
   if (error) throw *error;
   return *result;
 }
 
 json failure_json(const Failure& failure) {
-  json error = {{"source", failure.source}, {"reason", failure.reason}, {"message", failure.message},
+  json error = {{"source", failure.source},
+                {"reason", failure.reason},
+                {"message", failure.message},
                 {"exit_code", failure.exit_code}};
   if (!failure.code.empty()) {
     error["code"] = failure.code;

@@ -40,7 +40,8 @@ Segment Segment::open(const ::weightcache::v1::StorageHandle& handle, uid_t owne
   std::string problem;
   if (fstat(fd, &st) != 0) problem = std::strerror(errno);
   else if (!S_ISREG(st.st_mode)) problem = "not a regular file";
-  else if (st.st_uid != owner) problem = "owned by uid " + std::to_string(st.st_uid) + ", not the daemon's";
+  else if (st.st_uid != owner) problem =
+      "owned by uid " + std::to_string(st.st_uid) + ", not the daemon's";
   else if (shm.size() <= 0 || st.st_size != shm.size()) {
     problem = std::to_string(st.st_size) + " bytes, the handle says " + std::to_string(shm.size());
   }

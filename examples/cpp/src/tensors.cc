@@ -49,11 +49,13 @@ void check_view(const v1::TensorView& view, std::size_t arena_size) {
   }
   auto offset = view.byte_offset();
   if (offset < 0 || offset % static_cast<std::int64_t>(item) != 0) {
-    invalid(view, "byte_offset " + std::to_string(offset) + " is not a multiple of " + std::to_string(item));
+    invalid(view, "byte_offset " + std::to_string(offset) + " is not a multiple of " +
+                      std::to_string(item));
   }
   auto end = offset + view_nbytes(view);
   if (end > static_cast<std::int64_t>(arena_size)) {
-    invalid(view, "ends at byte " + std::to_string(end) + ", past the arena's " + std::to_string(arena_size));
+    invalid(view, "ends at byte " + std::to_string(end) + ", past the arena's " +
+                      std::to_string(arena_size));
   }
 }
 
