@@ -77,7 +77,7 @@ def cpp_worker() -> Path:
 
 
 def _run_build(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1200, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
 
 
