@@ -166,6 +166,21 @@ static v1::Model model_named(const std::string& name, v1::WeightCacheService::St
   return reply.model();
 }
 
+void check_grant(const v1::AcquireRequest& request, const v1::Model& model) {
+  if (request.files().empty()) return;
+  for (const auto& sent : request.fingerprint().components()) {
+    bool same = false;
+    for (const auto& got : model.fingerprint().components()) {
+      same = same || (got.name() == sent.name() && got.digest() == sent.digest());
+    }
+    if (!same) {
+      fail(kInvalidHandle, "INVALID_HANDLE",
+           "the daemon granted model '" + model.name() + "', whose '" + sent.name() +
+               "' component is not the one requested");
+    }
+  }
+}
+
 std::string fill_identity(const Args& args, v1::WeightCacheService::Stub& stub,
                           v1::AcquireRequest* request) {
   switch (args.mode) {

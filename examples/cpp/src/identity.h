@@ -18,6 +18,12 @@ namespace v1 = ::weightcache::v1;
 std::string fill_identity(const Args& args, v1::WeightCacheService::Stub& stub,
                           v1::AcquireRequest* request);
 
+// After an Acquire by file identity: the granted model's "format", "placement" and
+// "recipe" components are the ones requested (the daemon matched on them; a worker does
+// not take that on trust). Nothing to check for an Acquire by fingerprint.
+// Throws WorkerError (kInvalidHandle, INVALID_HANDLE) naming the first that differs.
+void check_grant(const v1::AcquireRequest& request, const v1::Model& model);
+
 // `size` bytes in lowercase hex.
 std::string to_hex(const unsigned char* bytes, size_t size);
 

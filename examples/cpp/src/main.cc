@@ -139,6 +139,7 @@ json attach(const Args& args) {
   std::optional<json> result;
   std::optional<WorkerError> error;
   try {
+    check_grant(request, response.model());
     Segment segment = Segment::open(response.storage(), owner);
     hold(keeper, args.hold_s);
     json tensors = read_tensors(select(response, args), segment);
@@ -153,6 +154,8 @@ json attach(const Args& args) {
                   {"tensors", tensors}};
   } catch (const WorkerError& e) {
     error = e;
+  } catch (const std::exception& e) {  // still release below
+    error = WorkerError(Failure{kInternal, "worker", "", -1, "INTERNAL", "", e.what(), {}});
   }
   // Step 7, on success and failure alike: a lease is never left to expire.
   keeper.stop_renewing();
