@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup protos check-protos lint test demo bench bench-attach clean
+.PHONY: setup protos check-protos lint test demo bench bench-attach clean cpp-deps cpp
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -40,7 +40,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) check-protos lint
+test: $(STAMP) cpp check-protos lint
 	$(PY) -m pytest
 
 demo: $(STAMP)
@@ -60,5 +60,30 @@ bench: $(BENCH_STAMP)
 bench-attach: $(STAMP)
 	$(PY) bench/attach_vs_disk.py
 
+# The C++ worker (examples/cpp/), built with the distribution's compiler, CMake, gRPC and
+# protobuf. cpp-deps installs the Debian packages that are missing (apt-get, as root or
+# through sudo) and nothing when all are there; elsewhere it says what to install.
+CPP_BUILD := .build/cpp
+CPP_APT   := g++ make cmake pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev \
+	protobuf-compiler libssl-dev nlohmann-json3-dev
+
+cpp-deps:
+	@if ! command -v dpkg-query >/dev/null; then \
+		echo "cpp-deps: not a Debian system; install the equivalents of: $(CPP_APT)"; exit 0; fi; \
+	missing=""; for p in $(CPP_APT); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" \
+			|| missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "cpp-deps: installing$$missing"; \
+		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			$$sudo apt-get install -y -qq --no-install-recommends $$missing; fi
+
+# Reuses .build/cpp: only what changed is rebuilt. The venv first: until the repository
+# vendors google/rpc/*.proto, CMake takes them from it (examples/cpp/CMakeLists.txt).
+cpp: cpp-deps $(STAMP)
+	cmake -S examples/cpp -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(CPP_BUILD) --parallel $$(nproc)
+
 clean:
-	rm -rf $(VENV) .protos-check .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,68 @@
+#include "args.h"
+
+#include <cstdlib>
+#include <string_view>
+
+#include "failure.h"
+
+namespace wcw {
+
+const char* const kUsageText =
+    "usage: weightcache-worker --socket PATH\n"
+    "           (--checkpoint PATH [--trust-daemon] [--level full|sampled|layout]\n"
+    "            | --model NAME | --fingerprint DIGEST)\n"
+    "           [--tensor NAME]... [--ttl SECONDS] [--hold SECONDS]\n";
+
+static double seconds(const std::string& flag, const char* text) {
+  char* end = nullptr;
+  double value = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(value >= 0)) {
+    fail(kUsage, "INVALID_ARGUMENT", flag + " takes a number of seconds >= 0, not '" + text + "'");
+  }
+  return value;
+}
+
+// The flags that name the model, how many were given, and the mode they select.
+static Mode mode_of(const Args& args, bool trust_daemon) {
+  int given = !args.checkpoint.empty() + !args.model.empty() + !args.fingerprint.empty();
+  if (given != 1) {
+    fail(kUsage, "INVALID_ARGUMENT", "name the model once: --checkpoint, --model or --fingerprint");
+  }
+  if (trust_daemon && args.checkpoint.empty()) {
+    fail(kUsage, "INVALID_ARGUMENT", "--trust-daemon goes with --checkpoint");
+  }
+  if (!args.model.empty()) return Mode::kDaemonName;
+  if (!args.fingerprint.empty()) return Mode::kFingerprint;
+  return trust_daemon ? Mode::kDaemonPath : Mode::kFiles;
+}
+
+Args parse_args(int argc, char** argv) {
+  Args args;
+  bool trust_daemon = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view flag = argv[i];
+    if (flag == "--trust-daemon") {
+      trust_daemon = true;
+      continue;
+    }
+    if (i + 1 >= argc) fail(kUsage, "INVALID_ARGUMENT", std::string(flag) + " needs a value");
+    const char* value = argv[++i];
+    if (flag == "--socket") args.socket = value;
+    else if (flag == "--checkpoint") args.checkpoint = value;
+    else if (flag == "--model") args.model = value;
+    else if (flag == "--fingerprint") args.fingerprint = value;
+    else if (flag == "--level") args.level = value;
+    else if (flag == "--tensor") args.tensors.emplace_back(value);
+    else if (flag == "--ttl") args.ttl_s = seconds("--ttl", value);
+    else if (flag == "--hold") args.hold_s = seconds("--hold", value);
+    else fail(kUsage, "INVALID_ARGUMENT", "unknown flag " + std::string(flag));
+  }
+  if (args.socket.empty()) fail(kUsage, "INVALID_ARGUMENT", "--socket is required");
+  if (args.level != "full" && args.level != "sampled" && args.level != "layout") {
+    fail(kUsage, "INVALID_ARGUMENT", "--level is full, sampled or layout, not " + args.level);
+  }
+  args.mode = mode_of(args, trust_daemon);
+  return args;
+}
+
+}  // namespace wcw
