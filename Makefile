@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Only our contract is generated for Python: the vendored protos/google/rpc files are
+# googleapis-common-protos' own (the SDK imports google.rpc from that package).
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
