@@ -7,13 +7,11 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from importlib import resources
 from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2, status_pb2
-from grpc_tools import protoc
 
 import weightcache
 from weightcache.core.contract import PROTO_FILES
@@ -81,10 +79,18 @@ def test_an_installed_wheel_holds_the_contract(tmp_path: Path) -> None:
 
 def _compiled(name: str, tmp_path: Path) -> descriptor_pb2.FileDescriptorProto:
     out = tmp_path / "set.binpb"
-    # protoc.main, unlike `python -m grpc_tools.protoc`, does not add the well-known types.
-    well_known = resources.files("grpc_tools") / "_proto"
-    args = ["protoc", f"-I{PROTOS}", f"-I{well_known}", f"--descriptor_set_out={out}", name]
-    assert protoc.main(args) == 0
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{PROTOS}",
+            f"--descriptor_set_out={out}",
+            name,
+        ],
+        check=True,
+        timeout=60,
+    )
     (file,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
     return file
 
