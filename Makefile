@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup protos check-protos lint test demo bench bench-attach clean
+.PHONY: setup protos check-protos released-contract lint test demo bench bench-attach clean
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -48,8 +48,17 @@ check-protos: $(STAMP)
 		|| { echo "$(SHIPPED) is stale: run 'make protos' and commit"; rm -rf .protos-check; exit 1; }
 	rm -rf .protos-check
 
+# The last released weightcache.v1 contract, as a buf image: `make lint` fails on a change
+# of protos/ that breaks it (buf breaking, FILE rules). Refresh it at a release (docs/protocol.md,
+# "Compatibility") with `make released-contract` on the release commit.
+RELEASED := protos/released/weightcache.v1.binpb
+
+released-contract: $(STAMP)
+	$(VENV)/bin/buf build --exclude-source-info -o $(RELEASED)
+
 lint: $(STAMP)
 	$(VENV)/bin/buf lint
+	$(VENV)/bin/buf breaking --against $(RELEASED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy

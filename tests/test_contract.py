@@ -127,3 +127,58 @@ def test_the_vendored_error_protos_decode_what_the_sdk_encodes(
     assert [m.name for m in wanted] == messages
     for message in wanted:
         assert ours[message.name] == message
+
+
+BUF = Path(sys.executable).parent / "buf"
+RELEASED = PROTOS / "released" / "weightcache.v1.binpb"
+CONTRACT = "weightcache/v1/weight_cache_service.proto"
+
+
+def _breaking(tmp_path: Path, edit: tuple[str, str] | None) -> subprocess.CompletedProcess[str]:
+    """`buf breaking` (as `make lint` runs it) on a copy of the contract with one edit."""
+    shutil.copy2(ROOT / "buf.yaml", tmp_path / "buf.yaml")
+    shutil.copytree(PROTOS, tmp_path / "protos")
+    if edit is not None:
+        path = tmp_path / "protos" / CONTRACT
+        text = path.read_text()
+        assert text.count(edit[0]) == 1
+        path.write_text(text.replace(*edit))
+    return subprocess.run(
+        [BUF, "breaking", "--against", RELEASED],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_contract_is_compatible_with_the_released_one(tmp_path: Path) -> None:
+    result = _breaking(tmp_path, None)
+
+    assert (result.returncode, result.stdout) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("edit", "complaint"),
+    [
+        (
+            ("  int64 byte_offset = 5;", "  int64 byte_offset = 9;"),
+            'Previously present field "5" with name "byte_offset" on message "TensorView" '
+            "was deleted.",
+        ),
+        (
+            ("  ERROR_REASON_MODEL_NOT_FOUND = 2;", "  ERROR_REASON_MODEL_MISSING = 2;"),
+            'Enum value "2" on enum "ErrorReason" changed name from '
+            '"ERROR_REASON_MODEL_NOT_FOUND" to "ERROR_REASON_MODEL_MISSING".',
+        ),
+    ],
+    ids=["renumbered-field", "renamed-reason"],
+)
+def test_a_breaking_change_of_the_contract_fails_the_check(
+    tmp_path: Path, edit: tuple[str, str], complaint: str
+) -> None:
+    result = _breaking(tmp_path, edit)
+
+    assert result.returncode != 0
+    assert complaint in result.stdout
