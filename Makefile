@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup protos check-protos released-contract lint test demo bench bench-attach clean
+.PHONY: setup protos check-protos released-contract lint test test-node demo bench bench-attach clean
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -63,7 +63,21 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) check-protos lint
+# The Node reference client (clients/node): its npm packages once, from the committed
+# lock file (Node and npm from the distribution when the machine has none), then its tests
+# against a real daemon that clients/node/test/daemon.py starts with this venv's Python.
+NODE_DIR   := clients/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	command -v node >/dev/null && command -v npm >/dev/null \
+		|| { apt-get update -q && apt-get install -y -q nodejs npm; }
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+test-node: $(STAMP) $(NODE_STAMP)
+	cd $(NODE_DIR) && WEIGHTCACHE_PYTHON=$(abspath $(PY)) node --test test/
+
+test: $(STAMP) check-protos lint test-node
 	$(PY) -m pytest
 
 demo: $(STAMP)
@@ -84,4 +98,4 @@ bench-attach: $(STAMP)
 	$(PY) bench/attach_vs_disk.py
 
 clean:
-	rm -rf $(VENV) .protos-check .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules
