@@ -49,7 +49,7 @@ def test_an_installed_wheel_holds_the_contract(tmp_path: Path) -> None:
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--quiet", "--disable-pip-version-check"]
     subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, source],
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", wheels, source],
         check=True,
         timeout=300,
     )
@@ -75,6 +75,14 @@ def test_an_installed_wheel_holds_the_contract(tmp_path: Path) -> None:
     ).stdout.strip()
     assert Path(found) == target / "weightcache" / "protos"
     assert _tree(Path(found)) == _tree(PROTOS)
+
+
+def test_python_takes_google_rpc_from_googleapis_common_protos() -> None:
+    """The vendored files are for other languages: no google.rpc stubs are generated into
+    this repository, and the SDK's come from the googleapis-common-protos package."""
+    assert not (ROOT / "client" / "google").exists()
+    assert not list((ROOT / "client").rglob("status_pb2.py"))
+    assert "site-packages" in Path(status_pb2.__file__).parts
 
 
 def _compiled(name: str, tmp_path: Path) -> descriptor_pb2.FileDescriptorProto:
