@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Only our contract is generated for Python: the vendored protos/google/rpc files are
+# googleapis-common-protos' own (the SDK imports google.rpc from that package).
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup protos check-protos lint test demo bench bench-attach clean cpp-deps cpp
+.PHONY: setup protos check-protos released-contract lint test test-node demo bench bench-attach clean cpp-deps cpp
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -19,6 +21,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The contract as the wheel ships it (weightcache.proto_path()): a copy of protos/ (the
+# .proto files and the vendored license), without the released image.
+SHIPPED := client/weightcache/protos
+define ship_protos
+	rm -rf $(1) && mkdir -p $(1)
+	cp -R protos/weightcache protos/google $(1)/
+endef
+
 define gen_protos
 	mkdir -p $(1)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$(1) --pyi_out=$(1) --grpc_python_out=$(1) $(PROTO)
@@ -26,21 +36,48 @@ endef
 
 protos: $(STAMP)
 	$(call gen_protos,client)
+	$(call ship_protos,$(SHIPPED))
 
-# Fails when the committed stubs differ from what the proto generates now.
+# Fails when the committed stubs, or the contract the wheel ships, differ from protos/.
 check-protos: $(STAMP)
 	rm -rf .protos-check && $(call gen_protos,.protos-check)
 	diff -r -x __pycache__ -x __init__.py .protos-check/weightcache/v1 $(GEN) \
 		|| { echo "generated stubs are stale: run 'make protos' and commit"; rm -rf .protos-check; exit 1; }
+	$(call ship_protos,.protos-check/shipped)
+	diff -r .protos-check/shipped $(SHIPPED) \
+		|| { echo "$(SHIPPED) is stale: run 'make protos' and commit"; rm -rf .protos-check; exit 1; }
 	rm -rf .protos-check
+
+# The last released weightcache.v1 contract, as a buf image: `make lint` fails on a change
+# of protos/ that breaks it (buf breaking, FILE rules). Refresh it at a release (docs/protocol.md,
+# "Compatibility") with `make released-contract` on the release commit.
+RELEASED := protos/released/weightcache.v1.binpb
+
+released-contract: $(STAMP)
+	$(VENV)/bin/buf build --exclude-source-info -o $(RELEASED)
 
 lint: $(STAMP)
 	$(VENV)/bin/buf lint
+	$(VENV)/bin/buf breaking --against $(RELEASED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) cpp check-protos lint
+# The Node reference client (clients/node): its npm packages once, from the committed
+# lock file (Node and npm from the distribution when the machine has none), then its tests
+# against a real daemon that clients/node/test/daemon.py starts with this venv's Python.
+NODE_DIR   := clients/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	command -v node >/dev/null && command -v npm >/dev/null \
+		|| { apt-get update -q && apt-get install -y -q nodejs npm; }
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+test-node: $(STAMP) $(NODE_STAMP)
+	cd $(NODE_DIR) && WEIGHTCACHE_PYTHON=$(abspath $(PY)) node --test test/
+
+test: $(STAMP) cpp check-protos lint test-node
 	$(PY) -m pytest
 
 demo: $(STAMP)
@@ -79,11 +116,10 @@ cpp-deps:
 		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 			$$sudo apt-get install -y -qq --no-install-recommends $$missing; fi
 
-# Reuses .build/cpp: only what changed is rebuilt. The venv first: until the repository
-# vendors google/rpc/*.proto, CMake takes them from it (examples/cpp/CMakeLists.txt).
-cpp: cpp-deps $(STAMP)
+# Reuses .build/cpp: only what changed is rebuilt.
+cpp: cpp-deps
 	cmake -S examples/cpp -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release
 	cmake --build $(CPP_BUILD) --parallel $$(nproc)
 
 clean:
-	rm -rf $(VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules

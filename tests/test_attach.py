@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import weightcache
+from tests.security_support import acquire_request
 from tests.support import (
     Checkpoints,
     Daemon,
@@ -22,8 +23,10 @@ from tests.support import (
     assert_bitwise_equal,
     flipped,
     get_model,
+    service_stub,
 )
 from weightcache.core.dtypes import SUB_BYTE, TORCH_DTYPES
+from weightcache.v1 import weight_cache_service_pb2 as pb
 
 Layout = Literal["single", "sharded"]
 EXPECTED_DTYPES = {
@@ -230,3 +233,25 @@ def test_every_supported_dtype_round_trips_bitwise_on_both_paths(
 def test_supported_dtypes_are_those_safetensors_and_torch_share() -> None:
     assert TORCH_DTYPES == SAFETENSORS_DTYPES
     assert {"C64", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"} <= set(TORCH_DTYPES)
+
+
+@pytest.mark.parametrize("tensor_format", [pb.TENSOR_FORMAT_VIEWS, pb.TENSOR_FORMAT_TABLE])
+def test_an_acquire_reply_gives_each_tensors_byte_length_for_every_dtype(
+    dtype_daemon: Daemon, dtype_folders: dict[str, Path], tensor_format: pb.TensorFormat
+) -> None:
+    for name, folder in sorted(dtype_folders.items()):
+        raw = (folder / "model.safetensors").read_bytes()
+        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+        # The bytes safetensors itself gives each tensor, from its data_offsets.
+        want = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()}
+        request = acquire_request(folder)
+        request.tensor_format = tensor_format
+        with service_stub(dtype_daemon.socket) as stub:
+            reply = stub.Acquire(request)
+            stub.Release(pb.ReleaseRequest(lease_id=reply.lease.lease_id))
+        if tensor_format == pb.TENSOR_FORMAT_TABLE:
+            got = dict(zip(reply.tensor_table.names, reply.tensor_table.nbytes, strict=True))
+        else:
+            got = {v.name: v.nbytes for v in reply.tensors}
+        assert got == want, name
+        assert got["t"] == 15 * TORCH_DTYPES[name].itemsize

@@ -60,6 +60,7 @@ from weightcache.core.records import (
     ModelState,
     ServerInfo,
     SharedMemoryHandle,
+    TensorFormat,
 )
 from weightcache.core.tp import TPPlan
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -331,3 +332,49 @@ def test_the_numbers_the_contract_and_the_cli_repeat_in_text_match_their_homes()
     assert f"evict --force); default {ServiceOptions.drain_timeout:g}" in text
     assert MemoryBudget.headroom == 256 * 2**20
     assert "leave available (default 256MiB)" in text
+
+
+def test_every_view_carries_its_byte_length_in_both_formats(fingerprint: Fingerprint) -> None:
+    grant = _grant(fingerprint)
+    # (4, 3, 2) BF16, (5,) F32, a 0-d I64, an empty (0, 4) F16.
+    want = [24 * 2, 5 * 4, 8, 0]
+
+    assert [v.nbytes for v in acquire_response_pb(grant).tensors] == want
+    table = acquire_response_pb(grant, tensor_views_pb(grant.tensors, "table"))
+    assert list(table.tensor_table.nbytes) == want
+
+
+@pytest.mark.parametrize("tensor_format", ["views", "table"])
+def test_a_view_whose_nbytes_disagrees_with_its_shape_is_a_handle_error(
+    fingerprint: Fingerprint, tensor_format: TensorFormat
+) -> None:
+    grant = _grant(fingerprint)
+    reply = acquire_response_pb(grant, tensor_views_pb(grant.tensors, tensor_format))
+    if tensor_format == "table":
+        reply.tensor_table.nbytes[1] = 10  # F32 (5,) is 20 bytes
+    else:
+        reply.tensors[1].nbytes = 10
+
+    with pytest.raises(HandleError) as caught:
+        list(view_rows_from_pb(reply))
+
+    assert caught.value.reason == "INVALID_HANDLE"
+    assert str(caught.value) == (
+        "tensor 'b': nbytes 10 is not its shape (5,) times the 4-byte size of F32"
+    )
+
+
+def test_views_without_nbytes_from_an_older_daemon_are_read_as_before(
+    fingerprint: Fingerprint,
+) -> None:
+    grant = _grant(fingerprint)
+    table = acquire_response_pb(grant, tensor_views_pb(grant.tensors, "table"))
+    table.tensor_table.ClearField("nbytes")
+    views = acquire_response_pb(grant)
+    for view in views.tensors:
+        view.ClearField("nbytes")
+
+    assert grant_from_pb(table) == grant_from_pb(views) == grant
+    table.tensor_table.nbytes.append(8)  # one entry, four tensors
+    with pytest.raises(HandleError, match="nbytes does not hold one entry per tensor"):
+        view_rows_from_pb(table)

@@ -963,6 +963,14 @@ ROGUE_CASES: dict[str, tuple[Callable[[Rogue, pb.AcquireResponse], None], str]] 
         lambda r, reply: _table(reply, lambda t: t.byte_offsets.__setitem__(1, 496)),
         "reaches past the",
     ),
+    "nbytes-disagrees": (
+        lambda r, reply: _view(reply, nbytes=12),
+        "tensor 'w': nbytes 12 is not its shape (6,) times the 4-byte size of F32",
+    ),
+    "table-nbytes-disagrees": (
+        lambda r, reply: _table(reply, lambda t: t.nbytes.__setitem__(1, 8)),
+        "tensor 'ids': nbytes 8 is not its shape (3,) times the 8-byte size of I64",
+    ),
 }
 
 

@@ -21,6 +21,7 @@ if _typing.TYPE_CHECKING:
         hub_snapshot,
         open_checkpoint,
     )
+    from weightcache.core.contract import proto_path
     from weightcache.core.errors import (
         CudaError,
         DaemonUnavailableError,
@@ -64,6 +65,7 @@ _SOURCES = {
     "TensorInfo": "weightcache.core.checkpoint",
     "hub_snapshot": "weightcache.core.checkpoint",
     "open_checkpoint": "weightcache.core.checkpoint",
+    "proto_path": "weightcache.core.contract",
     "CudaError": "weightcache.core.errors",
     "DaemonUnavailableError": "weightcache.core.errors",
     "DeviceNotVisibleError": "weightcache.core.errors",
@@ -169,6 +171,7 @@ __all__ = [
     "load_from_disk",
     "load_into",
     "open_checkpoint",
+    "proto_path",
 ]
 
 

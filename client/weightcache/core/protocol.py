@@ -10,6 +10,7 @@ list sizes) run while decoding and raise :class:`InvalidArgumentError` with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import grpc
@@ -19,6 +20,7 @@ from grpc_status import rpc_status
 
 # MAX_FILES bounds an Acquire by file identity: as many files as a worker lists.
 from weightcache.core.checkpoint import MAX_FILES, FileIdentity
+from weightcache.core.dtypes import TORCH_DTYPES, itemsize
 from weightcache.core.errors import (
     DAEMON_ERRORS,
     ERROR_DOMAIN,
@@ -405,14 +407,24 @@ def keepalive_response_pb(
 # -- arenas -----------------------------------------------------------------------------
 
 
+def view_nbytes(view: TensorView) -> int:
+    """Bytes of a view's elements: ``prod(shape) * itemsize`` (the wire's ``nbytes``).
+
+    Raises:
+        KeyError: the view's dtype is not a supported safetensors dtype name.
+    """
+    return math.prod(view.shape) * itemsize(view.dtype)
+
+
 def tensor_view_pb(view: TensorView) -> pb.TensorView:
-    """A tensor view as its wire message."""
+    """A tensor view as its wire message, with its ``nbytes``."""
     return pb.TensorView(
         name=view.name,
         dtype=view.dtype,
         shape=list(view.shape),
         stride=list(view.stride),
         byte_offset=view.byte_offset,
+        nbytes=view_nbytes(view),
     )
 
 
@@ -438,6 +450,7 @@ def tensor_table_pb(views: Iterable[TensorView]) -> pb.TensorTable:
         table.shape.extend(view.shape)
         table.stride.extend(view.stride)
         table.byte_offsets.append(view.byte_offset)
+        table.nbytes.append(view_nbytes(view))
     table.dtypes.extend(dtypes)
     return table
 
@@ -450,13 +463,14 @@ def view_rows_from_pb(response: pb.AcquireResponse) -> Iterator[ViewRow]:
     a row per tensor then costs a few slices, not a message of five fields.
 
     Raises:
-        HandleError: the table's per-tensor columns differ in length, ``shape`` or
-            ``stride`` does not hold ``sum(ranks)`` entries, or a ``dtype_index`` is past
-            the end of ``dtypes``.
+        HandleError: the table's per-tensor columns differ in length (``nbytes`` may also
+            be empty), ``shape`` or ``stride`` does not hold ``sum(ranks)`` entries, or a
+            ``dtype_index`` is past the end of ``dtypes``; or, while the rows are read, a
+            view's ``nbytes`` is set and is not ``prod(shape) * itemsize`` of its dtype.
     """
     if not response.HasField("tensor_table"):
-        return (
-            (v.name, v.dtype, tuple(v.shape), tuple(v.stride), v.byte_offset)
+        return _checked_rows(
+            ((v.name, v.dtype, tuple(v.shape), tuple(v.stride), v.byte_offset), v.nbytes)
             for v in response.tensors
         )
     table = response.tensor_table
@@ -466,23 +480,43 @@ def view_rows_from_pb(response: pb.AcquireResponse) -> Iterator[ViewRow]:
         raise HandleError(
             "tensor table: names, dtype_index, ranks and byte_offsets differ in length"
         )
+    # A daemon older than the column sends none: nothing to check then.
+    nbytes = list(table.nbytes) or [0] * len(names)
+    if len(nbytes) != len(names):
+        raise HandleError("tensor table: nbytes does not hold one entry per tensor")
     if not sum(ranks) == len(shape) == len(stride):
         raise HandleError("tensor table: shape and stride do not hold sum(ranks) entries")
     dtypes = list(table.dtypes)
     if index and max(index) >= len(dtypes):
         raise HandleError(f"tensor table: a dtype_index is past the {len(dtypes)} dtypes")
-    per_tensor = zip(names, [dtypes[i] for i in index], ranks, offsets, strict=True)
-    return _table_rows(per_tensor, shape, stride)
+    per_tensor = zip(names, [dtypes[i] for i in index], ranks, offsets, nbytes, strict=True)
+    return _checked_rows(_table_rows(per_tensor, shape, stride))
 
 
 def _table_rows(
-    per_tensor: Iterable[tuple[str, str, int, int]], shape: list[int], stride: list[int]
-) -> Iterator[ViewRow]:
+    per_tensor: Iterable[tuple[str, str, int, int, int]], shape: list[int], stride: list[int]
+) -> Iterator[tuple[ViewRow, int]]:
     start = 0
-    for name, dtype, rank, offset in per_tensor:
+    for name, dtype, rank, offset, nbytes in per_tensor:
         end = start + rank
-        yield name, dtype, tuple(shape[start:end]), tuple(stride[start:end]), offset
+        yield (name, dtype, tuple(shape[start:end]), tuple(stride[start:end]), offset), nbytes
         start = end
+
+
+def _checked_rows(rows: Iterable[tuple[ViewRow, int]]) -> Iterator[ViewRow]:
+    """Each view, once its ``nbytes`` (when sent: 0 is "not sent", or an empty tensor)
+    equals ``prod(shape) * itemsize``: a daemon and a client that disagree on a dtype's
+    size would read other bytes than the daemon wrote. An unknown dtype passes here, for
+    :func:`weightcache._handles.build_views` to refuse by name."""
+    for row, nbytes in rows:
+        if nbytes:
+            dtype = TORCH_DTYPES.get(row[1])
+            if dtype is not None and nbytes != math.prod(row[2]) * dtype.itemsize:
+                raise HandleError(
+                    f"tensor {row[0]!r}: nbytes {nbytes} is not its shape {row[2]} times "
+                    f"the {dtype.itemsize}-byte size of {row[1]}"
+                )
+        yield row
 
 
 def storage_pb(handle: StorageHandle) -> pb.StorageHandle:

@@ -229,21 +229,23 @@ class StorageHandle(_message.Message):
     def __init__(self, shared_memory: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class TensorView(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "stride", "byte_offset")
+    __slots__ = ("name", "dtype", "shape", "stride", "byte_offset", "nbytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     stride: _containers.RepeatedScalarFieldContainer[int]
     byte_offset: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ...) -> None: ...
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class TensorTable(_message.Message):
-    __slots__ = ("names", "dtypes", "dtype_index", "ranks", "shape", "stride", "byte_offsets")
+    __slots__ = ("names", "dtypes", "dtype_index", "ranks", "shape", "stride", "byte_offsets", "nbytes")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +253,7 @@ class TensorTable(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     BYTE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     dtypes: _containers.RepeatedScalarFieldContainer[str]
     dtype_index: _containers.RepeatedScalarFieldContainer[int]
@@ -258,7 +261,8 @@ class TensorTable(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     stride: _containers.RepeatedScalarFieldContainer[int]
     byte_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype_index: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., byte_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    nbytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype_index: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., byte_offsets: _Optional[_Iterable[int]] = ..., nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "model", "ttl", "expire_time", "instance_id")

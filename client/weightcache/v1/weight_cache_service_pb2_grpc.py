@@ -126,6 +126,15 @@ class WeightCacheServiceServicer:
         """Grants a lease on the model whose fingerprint equals the request's (or, by file
         identity, which was loaded from the request's files), with the handles to its
         storage. Idempotent by request_id while the lease it granted is live.
+
+        Three ways to name the model (docs/protocol.md, "Attaching, step by step"): the
+        fingerprint the worker computed from its own files (docs/fingerprint.md), which
+        checks by content that the weights are those of its files; by file identity
+        (AcquireRequest.files); or trusting the daemon's identity: the Model.fingerprint that
+        GetModel or ListModels returned, copied unchanged. The last is deliberate and
+        supported, for workers without the checkpoint or the fingerprint code; such a worker
+        checks nothing about its own files, only the model's name, path, recipe and
+        placement as the daemon reports them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

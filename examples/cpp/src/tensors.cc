@@ -19,13 +19,9 @@ std::size_t element_size(const std::string& dtype) {
   return found == kSizes.end() ? 0 : found->second;
 }
 
-// TODO(merge): use TensorView.nbytes (field 6, TensorTable.nbytes 8) once the proto has it;
-// until then the length follows from the shape and the dtype's element size.
-std::int64_t view_nbytes(const v1::TensorView& view) {
-  std::int64_t elements = 1;
-  for (std::int64_t size : view.shape()) elements *= size;
-  return elements * static_cast<std::int64_t>(element_size(view.dtype()));
-}
+// The daemon sends each view's byte length (TensorView.nbytes); check_view has checked it
+// against the shape and the dtype's element size before any read uses it.
+std::int64_t view_nbytes(const v1::TensorView& view) { return view.nbytes(); }
 
 [[noreturn]] static void invalid(const v1::TensorView& view, const std::string& why) {
   fail(kInvalidHandle, "INVALID_HANDLE", "tensor '" + view.name() + "': " + why);
@@ -51,6 +47,11 @@ void check_view(const v1::TensorView& view, std::size_t arena_size) {
   if (offset < 0 || offset % static_cast<std::int64_t>(item) != 0) {
     invalid(view, "byte_offset " + std::to_string(offset) + " is not a multiple of " +
                       std::to_string(item));
+  }
+  // expected_stride is now the product of the sizes times the element size: the bytes.
+  if (view.nbytes() != expected_stride) {
+    invalid(view, "nbytes " + std::to_string(view.nbytes()) + " is not its shape times " +
+                      std::to_string(item) + " bytes");
   }
   auto end = offset + view_nbytes(view);
   if (end > static_cast<std::int64_t>(arena_size)) {

@@ -1,0 +1,167 @@
+// The Node client against a real daemon (test/daemon.py starts it): every tensor bitwise
+// equal to what Python's safetensors reads, exact reason codes, KeepAlive renewals, lease
+// loss, Release; the daemon must leave nothing behind when it stops.
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { createHash } from 'node:crypto';
+import { once } from 'node:events';
+import path from 'node:path';
+import { createInterface } from 'node:readline';
+import { after, before, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { fileURLToPath } from 'node:url';
+
+import { DTYPES, WeightCacheClient, WeightCacheError, computeFingerprint } from '../src/index.mjs';
+
+const HERE = path.dirname(fileURLToPath(import.meta.url));
+const PYTHON = process.env.WEIGHTCACHE_PYTHON ?? path.resolve(HERE, '../../../.venv/bin/python');
+
+let daemon; // the launcher process
+let info; // what it printed: socket, checkpoints, tensors
+let client;
+
+before(async () => {
+  daemon = spawn(PYTHON, [path.join(HERE, 'daemon.py')], { stdio: ['pipe', 'pipe', 'inherit'] });
+  const [line] = await once(createInterface({ input: daemon.stdout }), 'line');
+  info = JSON.parse(line);
+  client = new WeightCacheClient({ socket: info.socket });
+});
+
+after(async () => {
+  client?.close();
+  const exited = once(daemon, 'exit');
+  daemon.stdin.end(); // the launcher stops the daemon and checks for leftovers
+  const [code] = await exited;
+  assert.equal(code, 0, 'the daemon stopped cleanly and left no socket or segment');
+});
+
+const sha256 = (bytes) => createHash('sha256').update(bytes).digest('hex');
+
+function assertBitwiseEqual(attachment, expected) {
+  assert.deepEqual([...attachment.tensors.keys()].sort(), Object.keys(expected).sort());
+  for (const [name, want] of Object.entries(expected)) {
+    const tensor = attachment.tensors.get(name);
+    assert.equal(tensor.dtype, want.dtype, name);
+    assert.deepEqual(tensor.shape, want.shape, name);
+    assert.equal(sha256(tensor.bytes), want.sha256, name);
+    const [, Typed, lanes] = DTYPES[tensor.dtype];
+    assert.ok(tensor.data instanceof Typed, name);
+    assert.equal(tensor.data.length, want.shape.reduce((a, b) => a * b, 1) * lanes, name);
+  }
+}
+
+test('attaches by its own fingerprint (table format): every tensor bitwise', async () => {
+  const folder = info.checkpoints.single;
+  const attachment = await client.acquire({
+    fingerprint: computeFingerprint(folder),
+    checkpointPath: folder,
+  });
+  try {
+    assert.equal(attachment.model.name, 'single');
+    assertBitwiseEqual(attachment, info.tensors.single);
+    // Typed values, not only bytes: F32 and I64 read as numbers.
+    assert.deepEqual([...attachment.tensors.get('layers.1.norm.bias').data], [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert.equal(attachment.tensors.get('layers.1.scale').data[0], -3.25);
+    assert.equal(attachment.tensors.get('layers.0.position_ids').data.constructor, BigInt64Array);
+  } finally {
+    await attachment.release();
+  }
+});
+
+test('attaches a sharded checkpoint with one view message per tensor', async () => {
+  const folder = info.checkpoints.sharded;
+  const attachment = await client.acquire({
+    fingerprint: computeFingerprint(folder),
+    checkpointPath: folder,
+    tensorFormat: 'VIEWS',
+  });
+  try {
+    assert.equal(attachment.model.name, 'sharded');
+    assertBitwiseEqual(attachment, info.tensors.sharded);
+  } finally {
+    await attachment.release();
+  }
+});
+
+test('attaches trusting the daemon identity: every dtype bitwise', async () => {
+  const attachment = await client.acquireByName('alltypes');
+  try {
+    assert.equal(attachment.model.fingerprint.digest, computeFingerprint(info.checkpoints.alltypes).digest);
+    assertBitwiseEqual(attachment, info.tensors.alltypes);
+    assert.equal(Object.keys(info.tensors.alltypes).length, Object.keys(DTYPES).length);
+  } finally {
+    await attachment.release();
+  }
+});
+
+test('a fingerprint of another recipe is refused with FINGERPRINT_MISMATCH', async () => {
+  const folder = info.checkpoints.single;
+  const fingerprint = computeFingerprint(folder, { recipe: { dtype: 'F16' } });
+
+  const err = await client.acquire({ fingerprint, checkpointPath: folder }).catch((e) => e);
+
+  assert.ok(err instanceof WeightCacheError);
+  assert.equal(err.reason, 'FINGERPRINT_MISMATCH');
+  assert.equal(err.code, 5); // NOT_FOUND
+  assert.equal(err.domain, 'weightcache.v1');
+  assert.equal(err.metadata.model, 'single');
+  assert.equal(err.metadata.components, 'recipe');
+});
+
+test('a fingerprint nothing resembles is refused with MODEL_NOT_FOUND', async () => {
+  const fingerprint = { digest: 'a'.repeat(64), level: 'full', components: [] };
+
+  const err = await client.acquire({ fingerprint, checkpointPath: '/nowhere' }).catch((e) => e);
+
+  assert.equal(err.reason, 'MODEL_NOT_FOUND');
+  assert.equal(err.code, 5);
+  const byName = await client.acquireByName('no-such-model').catch((e) => e);
+  assert.equal(byName.reason, 'MODEL_NOT_FOUND');
+  assert.equal(byName.metadata.model, 'no-such-model');
+});
+
+test('a malformed request is refused with INVALID_ARGUMENT naming the field', async () => {
+  const err = await client.acquire({ fingerprint: { digest: 'XYZ', level: 'full' } }).catch((e) => e);
+
+  assert.equal(err.reason, 'INVALID_ARGUMENT');
+  assert.equal(err.code, 3);
+  assert.equal(err.metadata.field, 'fingerprint.digest');
+});
+
+test('KeepAlive renews a lease past its TTL, and Release ends it', async () => {
+  const attachment = await client.acquireByName('single', { ttl: 1 });
+  const renewals = [];
+  attachment.on('renewed', (expireTime) => renewals.push(expireTime));
+  let lost = null;
+  attachment.on('lost', (reason) => { lost = reason; });
+  assert.equal(attachment.ttl, 1);
+
+  await sleep(3000); // three TTLs: the lease would have expired twice without renewals
+
+  assert.equal(lost, null);
+  assert.ok(renewals.length >= 6, `${renewals.length} renewals in 3 s at ttl/3`);
+  assert.ok(renewals.at(-1) > renewals[0]);
+  assert.equal((await client.getModel('single')).lease_count, 1);
+  await attachment.release();
+  assert.equal((await client.getModel('single')).lease_count, 0);
+  assert.equal(client.leases.size, 0);
+  assert.equal(lost, null);
+});
+
+test('a lease the daemon no longer knows is reported lost', async () => {
+  const attachment = await client.acquireByName('single', { ttl: 1 });
+  const lostEvent = once(client, 'leaseLost');
+  // Another client ends the lease behind this one's back.
+  const other = new WeightCacheClient({ socket: info.socket });
+  await other.release(attachment.leaseId);
+  other.close();
+
+  const [which, reason] = await lostEvent;
+
+  assert.equal(which, attachment);
+  assert.equal(reason, 'NOT_FOUND');
+  assert.equal(attachment.lost, 'NOT_FOUND');
+  assert.equal(client.leases.size, 0);
+  // The tensors are the client's own copy: still readable.
+  assert.equal(attachment.tensors.get('layers.1.norm.bias').data[7], 8);
+});
