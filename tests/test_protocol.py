@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from tests.support import Checkpoints, run_cli
+from weightcache._handles import build_views
 from weightcache.core.checkpoint import INDEX_FILE, MAX_FILES, FileIdentity, open_checkpoint
 from weightcache.core.errors import HandleError, InvalidArgumentError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, Fingerprint, compute_fingerprint
@@ -45,6 +47,7 @@ from weightcache.core.protocol import (
     tensor_views_pb,
     timestamp_from_pb,
     timestamp_pb,
+    view_nbytes,
     view_rows_from_pb,
 )
 from weightcache.core.recipe import Placement, Recipe
@@ -234,8 +237,9 @@ def test_a_tensor_table_holds_the_same_views_as_the_list(fingerprint: Fingerprin
     assert list(table.tensor_table.dtypes) == ["BF16", "F32", "I64", "F16"]
     assert list(table.tensor_table.ranks) == [3, 1, 0, 2]
     assert grant_from_pb(table) == grant
-    assert list(view_rows_from_pb(table)) == [v.row() for v in grant.tensors]
-    assert list(view_rows_from_pb(acquire_response_pb(grant))) == [v.row() for v in grant.tensors]
+    rows = [v.row(view_nbytes(v)) for v in grant.tensors]
+    assert list(view_rows_from_pb(table)) == rows
+    assert list(view_rows_from_pb(acquire_response_pb(grant))) == rows
 
 
 @pytest.mark.parametrize(
@@ -356,7 +360,7 @@ def test_a_view_whose_nbytes_disagrees_with_its_shape_is_a_handle_error(
         reply.tensors[1].nbytes = 10
 
     with pytest.raises(HandleError) as caught:
-        list(view_rows_from_pb(reply))
+        build_views(torch.zeros(grant.storage.size, dtype=torch.uint8), view_rows_from_pb(reply))
 
     assert caught.value.reason == "INVALID_HANDLE"
     assert str(caught.value) == (

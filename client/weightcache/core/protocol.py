@@ -20,7 +20,7 @@ from grpc_status import rpc_status
 
 # MAX_FILES bounds an Acquire by file identity: as many files as a worker lists.
 from weightcache.core.checkpoint import MAX_FILES, FileIdentity
-from weightcache.core.dtypes import TORCH_DTYPES, itemsize
+from weightcache.core.dtypes import itemsize
 from weightcache.core.errors import (
     DAEMON_ERRORS,
     ERROR_DOMAIN,
@@ -457,7 +457,8 @@ def tensor_table_pb(views: Iterable[TensorView]) -> pb.TensorTable:
 
 def view_rows_from_pb(response: pb.AcquireResponse) -> Iterator[ViewRow]:
     """The tensor views of an Acquire response, from its ``tensor_table`` when set, else
-    from its ``tensors``, as plain tuples (each checked against the arena when used).
+    from its ``tensors``, as plain tuples (each checked against the arena, and against its
+    ``nbytes``, when used: :func:`weightcache._handles.build_views`).
 
     The table's columns are copied out in bulk and its shape checked here, before any view:
     a row per tensor then costs a few slices, not a message of five fields.
@@ -465,12 +466,11 @@ def view_rows_from_pb(response: pb.AcquireResponse) -> Iterator[ViewRow]:
     Raises:
         HandleError: the table's per-tensor columns differ in length (``nbytes`` may also
             be empty), ``shape`` or ``stride`` does not hold ``sum(ranks)`` entries, or a
-            ``dtype_index`` is past the end of ``dtypes``; or, while the rows are read, a
-            view's ``nbytes`` is set and is not ``prod(shape) * itemsize`` of its dtype.
+            ``dtype_index`` is past the end of ``dtypes``.
     """
     if not response.HasField("tensor_table"):
-        return _checked_rows(
-            ((v.name, v.dtype, tuple(v.shape), tuple(v.stride), v.byte_offset), v.nbytes)
+        return (
+            (v.name, v.dtype, tuple(v.shape), tuple(v.stride), v.byte_offset, v.nbytes)
             for v in response.tensors
         )
     table = response.tensor_table
@@ -490,33 +490,17 @@ def view_rows_from_pb(response: pb.AcquireResponse) -> Iterator[ViewRow]:
     if index and max(index) >= len(dtypes):
         raise HandleError(f"tensor table: a dtype_index is past the {len(dtypes)} dtypes")
     per_tensor = zip(names, [dtypes[i] for i in index], ranks, offsets, nbytes, strict=True)
-    return _checked_rows(_table_rows(per_tensor, shape, stride))
+    return _table_rows(per_tensor, shape, stride)
 
 
 def _table_rows(
     per_tensor: Iterable[tuple[str, str, int, int, int]], shape: list[int], stride: list[int]
-) -> Iterator[tuple[ViewRow, int]]:
+) -> Iterator[ViewRow]:
     start = 0
     for name, dtype, rank, offset, nbytes in per_tensor:
         end = start + rank
-        yield (name, dtype, tuple(shape[start:end]), tuple(stride[start:end]), offset), nbytes
+        yield name, dtype, tuple(shape[start:end]), tuple(stride[start:end]), offset, nbytes
         start = end
-
-
-def _checked_rows(rows: Iterable[tuple[ViewRow, int]]) -> Iterator[ViewRow]:
-    """Each view, once its ``nbytes`` (when sent: 0 is "not sent", or an empty tensor)
-    equals ``prod(shape) * itemsize``: a daemon and a client that disagree on a dtype's
-    size would read other bytes than the daemon wrote. An unknown dtype passes here, for
-    :func:`weightcache._handles.build_views` to refuse by name."""
-    for row, nbytes in rows:
-        if nbytes:
-            dtype = TORCH_DTYPES.get(row[1])
-            if dtype is not None and nbytes != math.prod(row[2]) * dtype.itemsize:
-                raise HandleError(
-                    f"tensor {row[0]!r}: nbytes {nbytes} is not its shape {row[2]} times "
-                    f"the {dtype.itemsize}-byte size of {row[1]}"
-                )
-        yield row
 
 
 def storage_pb(handle: StorageHandle) -> pb.StorageHandle:
@@ -691,7 +675,7 @@ def grant_from_pb(response: pb.AcquireResponse) -> Grant:
         lease=lease_from_pb(response.lease),
         model=model_from_pb(response.model),
         storage=storage_from_pb(response.storage),
-        tensors=tuple(TensorView(*row) for row in view_rows_from_pb(response)),
+        tensors=tuple(TensorView(*row[:5]) for row in view_rows_from_pb(response)),
         environment=environment_from_pb(response.environment),
     )
 

@@ -42,15 +42,17 @@ class TensorView:
     stride: tuple[int, ...]
     byte_offset: int
 
-    def row(self) -> ViewRow:
-        """The view as a :data:`ViewRow` tuple."""
-        return (self.name, self.dtype, self.shape, self.stride, self.byte_offset)
+    def row(self, nbytes: int = 0) -> ViewRow:
+        """The view as a :data:`ViewRow` tuple, with the byte length ``nbytes`` a daemon
+        sent for it (0: none to check)."""
+        return (self.name, self.dtype, self.shape, self.stride, self.byte_offset, nbytes)
 
 
-#: A tensor view as a plain tuple ``(name, dtype, shape, stride, byte_offset)``, the fields
-#: of :class:`TensorView` in order: what the attach path builds tensors from, one per
+#: A tensor view as a plain tuple ``(name, dtype, shape, stride, byte_offset, nbytes)``, the
+#: fields of :class:`TensorView` in order and the byte length the daemon sent (the wire's
+#: ``nbytes``; 0 when it sent none): what the attach path builds tensors from, one per
 #: tensor, without a record each.
-ViewRow = tuple[str, str, tuple[int, ...], tuple[int, ...], int]
+ViewRow = tuple[str, str, tuple[int, ...], tuple[int, ...], int, int]
 #: How an Acquire response lists its tensors (the wire's ``TensorFormat``).
 TensorFormat = Literal["views", "table"]
 
