@@ -3,9 +3,12 @@
 Subcommands:
 
 - ``preload MODEL_DIR... [--socket PATH] [--dtype D]``: run the daemon in the foreground,
-  loading each checkpoint at start. Stops cleanly on SIGTERM or SIGINT.
+  loading each checkpoint at start. Stops cleanly on SIGTERM or SIGINT. ``--require``,
+  ``--health-listen`` and ``--metrics-listen``: see :mod:`weightcache_service.health` and
+  :mod:`weightcache_service.metrics`.
 - ``ls``: the models held, their state, bytes and leases; below, why each FAILED one failed.
-- ``health``: exit 0 only when the daemon is ready (usable as an exec probe).
+- ``health [--readiness|--liveness]``: exit 0 only when the daemon is ready (every
+  required model READY), or with ``--liveness`` when its event loop answers (exec probes).
 - ``info``: versions, backend and memory of the daemon.
 - ``evict NAME [--force]``: drop a model.
 - ``gc [--dry-run]``: remove the /dev/shm segments of daemons that died without cleaning
@@ -37,7 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightcache.core.errors import RecipeError, WeightCacheError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS
-from weightcache.core.rpc import SERVICE_NAME, call, connect, target
+from weightcache.core.rpc import call, connect, target
 from weightcache.core.sockets import default_socket
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -47,6 +50,10 @@ if TYPE_CHECKING:
     from weightcache_service.backend import Device
     from weightcache_service.server import TcpListener
 
+#: Health services (weightcache_service.health; repeated here so that `health` imports no
+#: daemon module).
+LIVENESS = "liveness"
+READINESS = "readiness"
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 DEVICE_HELP = (
@@ -154,13 +161,50 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument(
         "--insecure", action="store_true", help="plaintext TCP, loopback addresses only"
     )
+    daemon.add_argument(
+        "--health-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="plaintext listener serving grpc.health.v1 only (Kubernetes grpc: probes)",
+    )
+    daemon.add_argument(
+        "--metrics-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="Prometheus metrics over HTTP (/metrics)",
+    )
+    daemon.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="MODEL_DIR|none",
+        help="start-up model that must be READY for readiness; repeatable "
+        "(default: every MODEL_DIR; 'none': ready once start-up preloads ended)",
+    )
 
     for name, text in (
         ("ls", "list models"),
-        ("health", "exit 0 when ready"),
         ("info", "daemon versions and memory"),
     ):
         _client_arguments(sub.add_parser(name, help=text))
+    health = sub.add_parser("health", help="exit 0 when ready (or, --liveness, alive)")
+    probe = health.add_mutually_exclusive_group()
+    probe.add_argument(
+        "--readiness",
+        dest="service",
+        action="store_const",
+        const=READINESS,
+        help="every required model READY (the default)",
+    )
+    probe.add_argument(
+        "--liveness",
+        dest="service",
+        action="store_const",
+        const=LIVENESS,
+        help="the daemon's event loop answers",
+    )
+    health.set_defaults(service=READINESS)
+    _client_arguments(health)
     evict = sub.add_parser("evict", help="drop a model")
     evict.add_argument("name")
     evict.add_argument("--force", action="store_true")
@@ -192,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"weightcache {args.command}: {err.reason}: {err.detail}", file=sys.stderr)
         return EXIT_FAILURE
     if args.command == "health":
-        return _health(socket, args.timeout)
+        return _health(socket, args.service, args.timeout)
     try:
         if args.command == "ls":
             return _ls(socket, args.timeout)
@@ -266,12 +310,13 @@ def _preload(args: argparse.Namespace) -> int:
             plugins=tuple(PluginStep.parse(text) for text in args.recipe),
         )
         ranks = parse_ranks(args.tp_rank, args.tp_size)
+        required = required_paths(args.models, args.require)
         device = resolve_device(args.device)  # once: it names the socket and the backend
         config = DaemonConfig(
             socket=daemon_socket(args, device),
             device=device,
             preload=[
-                PreloadSpec(path, recipe, Placement(rank, args.tp_size), level)
+                PreloadSpec(path, recipe, Placement(rank, args.tp_size), level, path in required)
                 for path in args.models
                 for rank in ranks
             ],
@@ -288,6 +333,8 @@ def _preload(args: argparse.Namespace) -> int:
             ),
             access=Access.for_group(args.group),
             tcp=_tcp(args),
+            health_listen=args.health_listen,
+            metrics_listen=args.metrics_listen,
         )
         run_daemon(config)
     except (AccessError, DeviceError, SocketInUseError, WeightCacheError, OSError) as err:
@@ -310,6 +357,28 @@ def _tcp(args: argparse.Namespace) -> TcpListener | None:
         client_subjects=tuple(args.tls_client_subject),
         unauthenticated_info=args.allow_unauthenticated_info,
     )
+
+
+def required_paths(models: list[str], require: list[str]) -> set[str]:
+    """The start-up models (``models``, as given) that readiness waits for: every one when
+    ``require`` is empty, none for ``["none"]``, else those ``require`` names (compared by
+    realpath).
+
+    Raises:
+        RecipeError: a ``--require`` value is not among the start-up models.
+    """
+    if not require:
+        return set(models)
+    if require == ["none"]:
+        return set()
+    by_real = {os.path.realpath(m): m for m in models}
+    chosen = set()
+    for path in require:
+        model = by_real.get(os.path.realpath(path))
+        if model is None:
+            raise RecipeError(f"--require {path!r}: not among the models to preload")
+        chosen.add(model)
+    return chosen
 
 
 def parse_ranks(texts: list[str], size: int) -> list[int]:
@@ -336,14 +405,14 @@ def parse_ranks(texts: list[str], size: int) -> list[int]:
     return sorted(ranks)
 
 
-def _health(socket: str, timeout: float) -> int:
+def _health(socket: str, service: str, timeout: float) -> int:
     if not os.path.exists(socket):
         print(f"weightcache health: no daemon socket at {socket}", file=sys.stderr)
         return EXIT_FAILURE
     try:
         with grpc.insecure_channel(target(socket)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as exc:
         print(f"weightcache health: not serving: {exc.code().name}", file=sys.stderr)
         return EXIT_FAILURE
