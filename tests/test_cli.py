@@ -48,7 +48,16 @@ def _ls_rows(socket: str) -> list[dict[str, str]]:
     result = run_cli("ls", "--socket", socket)
     assert (result.returncode, result.stderr) == (0, "")
     header, *rows = (line.split() for line in result.stdout.splitlines())
-    assert header == ["NAME", "STATE", "BYTES", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT"]
+    assert header == [
+        "NAME",
+        "STATE",
+        "PROGRESS",
+        "BYTES",
+        "TENSORS",
+        "LEASES",
+        "DTYPE",
+        "FINGERPRINT",
+    ]
     return [dict(zip(header, row, strict=True)) for row in rows]
 
 
@@ -79,6 +88,7 @@ def test_ls_lists_model_state_and_leases(
     assert row == {
         "NAME": "single",
         "STATE": "READY",
+        "PROGRESS": "-",
         "BYTES": str(model.size_bytes),
         "TENSORS": "9",
         "LEASES": "1",
