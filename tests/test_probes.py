@@ -5,6 +5,7 @@ the stock clients (the ``grpc.health.v1`` stub, prometheus-client's parser)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket as socketlib
 import urllib.request
 from collections.abc import Iterator
@@ -203,3 +204,21 @@ def test_metrics_after_acquires(
     with service_stub(daemon.socket) as stub:
         stub.Evict(pb.EvictRequest(name="single", force=True), timeout=10)
     assert scrape(port)["weightcache_lease_revocations_total", ()] == 1
+
+
+@pytest.mark.parametrize("flag", ["--health-listen", "--metrics-listen"])
+def test_a_busy_or_malformed_listen_address_stops_the_start(daemons: DaemonPool, flag: str) -> None:
+    with socketlib.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        socket = daemons.socket("busy")
+        taken = run_cli("preload", "--socket", socket, flag, f"127.0.0.1:{port}")
+    malformed = run_cli("preload", "--socket", socket, flag, "nowhere")
+
+    assert (taken.returncode, taken.stdout) == (1, "")
+    assert f"weightcache preload: {flag} 127.0.0.1:{port}: cannot bind: " in taken.stderr
+    assert (malformed.returncode, malformed.stdout) == (1, "")
+    assert malformed.stderr.endswith(f"weightcache preload: {flag} 'nowhere': use HOST:PORT\n")
+    assert not os.path.exists(socket)
+    assert not os.path.exists(socket + ".lock")

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 
 from weightcache.core.rpc import SERVICE_NAME
-from weightcache_service.access import parse_listen
+from weightcache_service.access import AccessError, parse_listen
 from weightcache_service.store import Store
 
 log = structlog.get_logger("weightcache.daemon")
@@ -143,13 +143,18 @@ class HealthListener:
         """Bind and start serving ``health``; returns the port bound.
 
         Raises:
-            AccessError: ``address`` is not ``HOST:PORT``.
-            RuntimeError: the address cannot be bound (grpcio's error).
+            AccessError: ``address`` is not ``HOST:PORT``, or cannot be bound.
         """
-        parse_listen(self.address)
+        try:
+            parse_listen(self.address)
+        except AccessError:
+            raise AccessError(f"--health-listen {self.address!r}: use HOST:PORT") from None
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-        port = server.add_insecure_port(self.address)
+        try:
+            port = server.add_insecure_port(self.address)
+        except RuntimeError as exc:  # grpcio's "Failed to bind"
+            raise AccessError(f"--health-listen {self.address}: cannot bind: {exc}") from None
         await server.start()
         self._server = server
         log.info("health listening", address=self.address, port=port)

@@ -39,7 +39,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from weightcache.core.records import ModelState
-from weightcache_service.access import parse_listen
+from weightcache_service.access import AccessError, parse_listen
 from weightcache_service.cache import CacheEvents, WeightCache
 from weightcache_service.store import Entry
 
@@ -206,11 +206,16 @@ class MetricsListener:
         """Bind and serve; returns the port bound.
 
         Raises:
-            AccessError: ``address`` is not ``HOST:PORT``.
-            OSError: the address cannot be bound.
+            AccessError: ``address`` is not ``HOST:PORT``, or cannot be bound.
         """
-        host, port = parse_listen(self.address)
-        self._server, self._thread = start_http_server(port, host, registry=metrics.registry)
+        try:
+            host, port = parse_listen(self.address)
+        except AccessError:
+            raise AccessError(f"--metrics-listen {self.address!r}: use HOST:PORT") from None
+        try:
+            self._server, self._thread = start_http_server(port, host, registry=metrics.registry)
+        except OSError as exc:
+            raise AccessError(f"--metrics-listen {self.address}: cannot bind: {exc}") from None
         bound = int(self._server.server_port)
         log.info("metrics listening", address=self.address, port=bound)
         return bound

@@ -197,7 +197,8 @@ class Daemon:
         """Serve until :meth:`stop`; then free every arena, remove the socket, unlock.
 
         Raises:
-            AccessError: the socket folder or the TCP listener is unusable or unsafe.
+            AccessError: the socket folder, the TCP listener, the health or the metrics
+                listener is unusable or unsafe (a malformed or busy address).
             SocketInUseError: another daemon serves the socket.
         """
         socket = self.config.socket
@@ -207,6 +208,7 @@ class Daemon:
             self._clean_after_predecessor(socket)
             server = await self._start_server(socket)
             try:
+                await self._start_listeners()
                 await self._serve()
             finally:
                 await self._shutdown(server)
@@ -265,7 +267,6 @@ class Daemon:
             os.umask(old_umask)
         self.config.access.secure_path(socket, self.config.access.socket_mode)
         await self.health.bound()
-        await self._start_listeners()
         log.info("listening", socket=socket, instance=self.instance_id[:12], pid=os.getpid())
         return server
 
