@@ -122,14 +122,19 @@ def test_preload_and_load_take_a_hub_repo_id(
     assert (loaded.path, loaded.fingerprint) == (model.path, model.fingerprint)
 
 
-def test_unknown_repo_id_is_a_usage_error(hub_env: dict[str, str]) -> None:
-    result = _cli_env("preload", "acme/absent", env=hub_env)
+def test_unknown_repo_id_is_refused_and_keeps_the_daemon_unready(
+    daemons: DaemonPool, hub_env: dict[str, str]
+) -> None:
+    daemon = daemons.start(["acme/absent"], env=hub_env)  # the start-up ends
 
-    assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == (
-        "weightcache preload: acme/absent: no such file or folder, nor a Hub repo with "
-        "revision main in the local Hub cache (download it first, e.g. `hf download`)\n"
-    )
+    ready = run_cli("health", "--socket", daemon.socket)
+
+    assert (ready.returncode, ready.stdout) == (1, "NOT_SERVING\n")
+    assert list_models(daemon.socket) == []
+    assert (
+        "acme/absent: no such file or folder, nor a Hub repo with revision main in the local "
+        "Hub cache (download it first, e.g. `hf download`)"
+    ) in daemon.log()
 
 
 def test_ls_progress_column() -> None:

@@ -314,7 +314,6 @@ def _preload(args: argparse.Namespace) -> int:
     from weightcache_service.backend import DeviceError, resolve_device
     from weightcache_service.budget import MemoryBudget, parse_size
     from weightcache_service.cache import ServiceOptions
-    from weightcache_service.hub import resolve_model
     from weightcache_service.server import DaemonConfig, PreloadSpec, model_roots, run_daemon
     from weightcache_service.socket_lock import SocketInUseError
 
@@ -344,9 +343,9 @@ def _preload(args: argparse.Namespace) -> int:
             plugins=tuple(PluginStep.parse(text) for text in args.recipe),
         )
         ranks = parse_ranks(args.tp_rank, args.tp_size)
-        models = [resolve_model(m) for m in args.models]
+        models = _models(args.models)
         required = required_paths(
-            models, [r if r == "none" else resolve_model(r) for r in args.require]
+            models, [r if r == "none" else _models([r])[0] for r in args.require]
         )
         device = resolve_device(args.device)  # once: it names the socket and the backend
         config = DaemonConfig(
@@ -378,6 +377,20 @@ def _preload(args: argparse.Namespace) -> int:
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
     return 0
+
+
+def _models(texts: list[str]) -> list[str]:
+    """Model arguments as paths: Hub repo ids resolved in the local Hub cache; what names
+    nothing is kept (the daemon refuses it at start-up, logged, and serves the others)."""
+    from weightcache_service.hub import resolve_or_keep
+
+    paths = []
+    for text in texts:
+        path, why = resolve_or_keep(text)
+        if why is not None:
+            structlog.get_logger("weightcache.daemon").warning("not found", error=why)
+        paths.append(path)
+    return paths
 
 
 def _tcp(args: argparse.Namespace) -> TcpListener | None:

@@ -46,3 +46,16 @@ def resolve_model(text: str, revision: str | None = None) -> str:
             "`hf download`)"
         ) from None
     return path
+
+
+def resolve_or_keep(text: str) -> tuple[str, str | None]:
+    """:func:`resolve_model`, but a ``text`` that names nothing is kept as given, with the
+    reason: the daemon then refuses it like any missing path (and serves the others).
+
+    Returns:
+        The path to preload, and why ``text`` was not resolved (None when it was).
+    """
+    try:
+        return resolve_model(text), None
+    except InvalidCheckpointError as err:
+        return text, err.detail
