@@ -144,3 +144,12 @@ def test_ls_progress_column() -> None:
     assert _progress(model(pb.MODEL_STATE_LOADING, 256, 1024)) == "25%"
     assert _progress(model(pb.MODEL_STATE_LOADING, 0, 0)) == "0%"
     assert _progress(model(pb.MODEL_STATE_READY, 1024, 1024)) == "-"
+
+
+def test_log_level_filters_the_daemons_lines(daemons: DaemonPool, checkpoints: Checkpoints) -> None:
+    quiet = daemons.start([checkpoints.single], args=["--log-level", "warning"])
+    chatty = daemons.start([checkpoints.single], args=["--log-level", "info"])
+
+    assert "listening" not in quiet.log()
+    assert "listening" in chatty.log()
+    assert [m.state for m in list_models(quiet.socket)] == [pb.MODEL_STATE_READY]
