@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket as socketlib
 import urllib.request
 from collections.abc import Iterator
@@ -222,3 +223,31 @@ def test_a_busy_or_malformed_listen_address_stops_the_start(daemons: DaemonPool,
     assert malformed.stderr.endswith(f"weightcache preload: {flag} 'nowhere': use HOST:PORT\n")
     assert not os.path.exists(socket)
     assert not os.path.exists(socket + ".lock")
+
+
+def test_a_draining_daemon_is_alive_but_not_ready(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints
+) -> None:
+    port = free_port()
+    daemon = daemons.start(
+        [checkpoints.single],
+        args=["--health-listen", f"127.0.0.1:{port}", "--drain-timeout", "60"],
+    )
+    worker = workers.start()
+    # on_revoke="raise": the worker keeps its lease (no copy and release) at REVOKING, so
+    # the drain stays open until it closes.
+    reply = worker.load(checkpoints.single, socket=daemon.socket, on_revoke="raise")
+    assert_attached(reply)
+    wait_until(lambda: statuses(port)["readiness"] == "SERVING", timeout=30)
+
+    daemon.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: statuses(port)["readiness"] == "NOT_SERVING", timeout=30)
+
+    assert statuses(port) == {
+        "": "NOT_SERVING",
+        "readiness": "NOT_SERVING",
+        "liveness": "SERVING",
+        SERVICE_NAME: "NOT_SERVING",
+    }
+    assert worker.request("close", key="w")["ok"]
+    assert daemon.proc.wait(30) == 0
