@@ -228,13 +228,9 @@ def worker_main(model: str, socket: str, expected_path: str) -> int:
     """Entry point of a worker process (``--worker``); returns its exit status."""
     import logging
 
-    import structlog
-
-    # The client logs with structlog, to stdout by default: keep stdout for the protocol.
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
+    # The SDK logs through standard logging: warnings and up to stderr, stdout stays the
+    # protocol's.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     expected = {k: int(v) for k, v in json.loads(Path(expected_path).read_text()).items()}
     Worker(model, socket, expected).run()

@@ -29,10 +29,10 @@ from typing import Any, TextIO
 
 import torch
 from safetensors.torch import save_file
-from structlog.testing import capture_logs
 
 import weightcache
 from weightcache._module import assign
+from weightcache.testing.logs import capture_sdk_logs
 from weightcache.testing.protocol import (
     Handler,
     describe,
@@ -103,7 +103,7 @@ def from_pretrained(kind: str, path: str) -> torch.nn.Module:
 
 
 def warnings(logs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The warning entries of structlog's ``capture_logs``, as JSON."""
+    """The warning entries of ``capture_sdk_logs``, as JSON."""
     return [
         {"event": e["event"], "names": e.get("names")} for e in logs if e["log_level"] == "warning"
     ]
@@ -177,12 +177,12 @@ class WorkerState:
         kind, path, key = cmd["kind"], cmd["path"], cmd["key"]
         dtype = getattr(torch, cmd["torch_dtype"]) if cmd.get("torch_dtype") else None
         cached = build_module(kind, path)
-        with capture_logs() as cache_logs:
+        with capture_sdk_logs() as cache_logs:
             weights = weightcache.load_into(cached, path, dtype=dtype, **cmd["kwargs"])
         self.weights[key] = weights
         self.modules[key] = cached
         from_disk = build_module(kind, path)
-        with capture_logs() as disk_logs:
+        with capture_sdk_logs() as disk_logs:
             assign(from_disk, weightcache.load_from_disk(path, dtype=dtype).tensors)
         outputs = {
             "cache": forward(kind, path, cached).contiguous(),

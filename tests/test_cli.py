@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -48,7 +47,16 @@ def _ls_rows(socket: str) -> list[dict[str, str]]:
     result = run_cli("ls", "--socket", socket)
     assert (result.returncode, result.stderr) == (0, "")
     header, *rows = (line.split() for line in result.stdout.splitlines())
-    assert header == ["NAME", "STATE", "BYTES", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT"]
+    assert header == [
+        "NAME",
+        "STATE",
+        "PROGRESS",
+        "BYTES",
+        "TENSORS",
+        "LEASES",
+        "DTYPE",
+        "FINGERPRINT",
+    ]
     return [dict(zip(header, row, strict=True)) for row in rows]
 
 
@@ -79,6 +87,7 @@ def test_ls_lists_model_state_and_leases(
     assert row == {
         "NAME": "single",
         "STATE": "READY",
+        "PROGRESS": "-",
         "BYTES": str(model.size_bytes),
         "TENSORS": "9",
         "LEASES": "1",
@@ -370,26 +379,19 @@ def test_admin_device_that_names_none_is_a_usage_error() -> None:
     )
 
 
-def _health_argv(service: dict[str, list[str]]) -> list[str]:
-    """The ``weightcache health ...`` arguments of the unit's readiness loop."""
-    [script] = shlex.split(service["ExecStartPost"][0])[2:]
-    found = re.search(r"/usr/local/bin/weightcache (health [^>]*)>", script)
-    assert found is not None, script
-    return shlex.split(found.group(1))
-
-
 @pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
 def test_systemd_units_and_the_cli_agree_on_the_socket(
     unit: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The daemon a unit starts, its readiness probe and a worker of the same device all
-    name one socket, by the rule: no ``--socket`` anywhere, one ``--device``, and the
-    runtime dir that ``RuntimeDirectory=`` creates. The template is read for a UUID
-    instance, whose socket needs no GPU to name."""
+    """The daemon a unit starts, ``weightcache health`` with the same ``--device`` and a
+    worker of the same device all name one socket, by the rule: no ``--socket`` anywhere,
+    one ``--device``, and the runtime dir that ``RuntimeDirectory=`` creates. The template
+    is read for a UUID instance, whose socket needs no GPU to name."""
     service = _service_section(unit)
     start = [a for a in shlex.split(service["ExecStart"][0])[1:] if not a.startswith("$")]
     daemon_args = _parser().parse_args([a.replace("%i", GPU_UUID) for a in start])
-    probe_args = _parser().parse_args([a.replace("%i", GPU_UUID) for a in _health_argv(service)])
+    device_arg = daemon_args.device
+    probe_args = _parser().parse_args(["health", "--device", device_arg])
     environment = dict(kv.split("=", 1) for line in service["Environment"] for kv in line.split())
     for name in RULE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -401,7 +403,9 @@ def test_systemd_units_and_the_cli_agree_on_the_socket(
     )
 
     assert (daemon_args.socket, probe_args.socket) == (None, None)
-    assert daemon_args.device == probe_args.device == device
+    assert daemon_args.device == device
+    assert (service["Type"], service["NotifyAccess"]) == (["notify"], ["main"])
+    assert "ExecStartPost" not in service  # readiness is sd_notify's READY=1
     assert environment["WEIGHTCACHE_RUNTIME_DIR"] == f"/run/{service['RuntimeDirectory'][0]}"
     assert client_socket(probe_args) == expected
     assert default_socket(device) == expected  # a worker's load(path, device=...)

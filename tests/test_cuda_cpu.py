@@ -328,10 +328,9 @@ def test_systemd_template_runs_one_daemon_per_gpu_instance() -> None:
     # No --socket: the socket is the device's by the rule (weightcache.core.sockets).
     assert "--socket" not in start
     assert {"$WEIGHTCACHE_MODELS", "$WEIGHTCACHE_ARGS"} <= set(start)
-    # The readiness probe asks the same device's socket the daemon binds.
-    probe = shlex.split(service["ExecStartPost"])
-    assert "health --device %i " in probe[-1]
-    assert "--socket" not in probe[-1]
+    # Readiness is the daemon's own sd_notify READY=1 (no polling ExecStartPost).
+    assert (service["Type"], service["NotifyAccess"]) == ("notify", "main")
+    assert "ExecStartPost" not in service
     assert service["EnvironmentFile"] == "-/etc/weightcache/%i.env"
     assert service["Environment"].split() == [
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False",

@@ -52,6 +52,24 @@ log = structlog.get_logger("weightcache.daemon")
 Outbox = asyncio.Queue[list[LeaseStatus] | None]
 
 
+class CacheEvents:
+    """What the cache reports as it happens (metrics listen, :mod:`.metrics`); this base
+    ignores everything."""
+
+    def acquired(self, reason: str, seconds: float) -> None:
+        """An Acquire was answered in ``seconds``: ``reason`` empty when granted, else the
+        refusal's reason (``MODEL_NOT_FOUND``...)."""
+
+    def loaded(self, entry: Entry) -> None:
+        """A load ended (``entry.state`` says how)."""
+
+    def lease_expired(self) -> None:
+        """A lease ended by its TTL."""
+
+    def leases_revoked(self, count: int) -> None:
+        """``count`` leases were revoked at once."""
+
+
 @dataclass
 class ServiceOptions:
     """What the operator allowed.
@@ -104,6 +122,8 @@ class WeightCache:
             backend=backend.name,
             device_uuid=backend.device_uuid,
         )
+        #: Where events go (:class:`CacheEvents`); the metrics replace it.
+        self.events = CacheEvents()
         self._sessions: dict[int, Outbox] = {}
         self._loads: set[asyncio.Task[None]] = set()
 
@@ -155,6 +175,7 @@ class WeightCache:
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
         task.add_done_callback(lambda _t: self._log_loaded(entry))
+        task.add_done_callback(lambda _t: self.events.loaded(entry))
         return entry, task
 
     @staticmethod
@@ -383,6 +404,7 @@ class WeightCache:
         lease = self.leases.end_if_expired(lease_id)
         if lease is not None:
             log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
+            self.events.lease_expired()
         return lease is not None
 
     def _lease_status(self, lease_id: str, lease: Lease | None) -> LeaseStatus:
@@ -457,6 +479,7 @@ class WeightCache:
         deadline = self.leases.clock() + self.options.drain_timeout
         revoked = self.leases.revoke(entry.name, deadline)
         log.warning("revoking", model=entry.name, leases=len(revoked))
+        self.events.leases_revoked(len(revoked))
         for lease in revoked:
             outbox = self._sessions.get(lease.session) if lease.session is not None else None
             if outbox is not None:
@@ -466,6 +489,7 @@ class WeightCache:
         """End expired leases and free evicting models nobody holds any more."""
         for lease in self.leases.reap():
             log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
+            self.events.lease_expired()
         self._free_evicted()
 
     def _free_evicted(self) -> None:

@@ -3,10 +3,18 @@
 Subcommands:
 
 - ``preload MODEL_DIR... [--socket PATH] [--dtype D]``: run the daemon in the foreground,
-  loading each checkpoint at start. Stops cleanly on SIGTERM or SIGINT.
-- ``ls``: the models held, their state, bytes and leases; below, why each FAILED one failed.
-- ``health``: exit 0 only when the daemon is ready (usable as an exec probe).
-- ``info``: versions, backend and memory of the daemon.
+  loading each checkpoint at start. A MODEL_DIR that does not exist may be a Hub repo id
+  (``org/name`` or ``org/name@REVISION``) in the local Hub cache (:mod:`.hub`). Stops
+  cleanly on SIGTERM or SIGINT. ``--require``, ``--health-listen`` and
+  ``--metrics-listen``: see :mod:`weightcache_service.health` and :mod:`.metrics`.
+- ``ls [--json]``: the models held, their state, load progress, bytes and leases; below,
+  why each FAILED one failed. ``--json``: the ListModels reply in the protobuf JSON mapping.
+- ``load PATH|REPO_ID [--revision R] [--dtype D]``: ask the running daemon to preload a
+  checkpoint (Preload RPC; the daemon needs ``--allow-remote-preload``), with a progress
+  bar on stderr; exits 0 once READY (:mod:`weightcache_service.load_command`).
+- ``health [--readiness|--liveness]``: exit 0 only when the daemon is ready (every
+  required model READY), or with ``--liveness`` when its event loop answers (exec probes).
+- ``info [--json]``: versions, backend and memory of the daemon.
 - ``evict NAME [--force]``: drop a model.
 - ``gc [--dry-run]``: remove the /dev/shm segments of daemons that died without cleaning
   up (a SIGKILL, a crash), whatever socket they served; prints one line per segment.
@@ -25,6 +33,7 @@ whose UUID cannot be read), 2 when ``--device`` names no device.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -33,20 +42,28 @@ from typing import TYPE_CHECKING
 
 import grpc
 import structlog
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightcache.core.errors import RecipeError, WeightCacheError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS
-from weightcache.core.rpc import SERVICE_NAME, call, connect, target
+from weightcache.core.rpc import call, connect, target
 from weightcache.core.sockets import default_socket
+from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 # The daemon's modules (and torch) are imported inside `preload` only, so that `health`,
 # `ls`, `info` and `evict` start in a fraction of a second: `health` is an exec probe.
 if TYPE_CHECKING:
+    from google.protobuf.message import Message
+
     from weightcache_service.backend import Device
     from weightcache_service.server import TcpListener
 
+#: Health services (weightcache_service.health; repeated here so that `health` imports no
+#: daemon module).
+LIVENESS = "liveness"
+READINESS = "readiness"
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 DEVICE_HELP = (
@@ -54,8 +71,13 @@ DEVICE_HELP = (
 )
 
 
-def configure_logging(fmt: str = "console") -> None:
-    """Send structlog output to stderr as console lines or JSON."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure_logging(fmt: str = "console", level: str = "info") -> None:
+    """Send structlog output at ``level`` and above to stderr as console lines or JSON, and
+    standard logging's (the SDK's, libraries') through the same level to stderr."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr)
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
@@ -67,7 +89,7 @@ def configure_logging(fmt: str = "console") -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
@@ -79,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve preloaded model weights to workers (preload), and look after the "
         "daemon (health, ls, info, evict, gc).",
     )
+    parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     daemon = sub.add_parser("preload", help="run the daemon, preloading checkpoints")
@@ -132,6 +155,7 @@ def _parser() -> argparse.ArgumentParser:
         "--headroom", default=None, help="bytes a preload must leave available (default 256MiB)"
     )
     daemon.add_argument("--log-format", choices=("console", "json"), default="console")
+    daemon.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     daemon.add_argument(
         "--group", default=None, help="group allowed to connect (folder 0750, socket 0660)"
     )
@@ -154,13 +178,58 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument(
         "--insecure", action="store_true", help="plaintext TCP, loopback addresses only"
     )
+    daemon.add_argument(
+        "--health-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="plaintext listener serving grpc.health.v1 only (Kubernetes grpc: probes)",
+    )
+    daemon.add_argument(
+        "--metrics-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="Prometheus metrics over HTTP (/metrics)",
+    )
+    daemon.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="MODEL_DIR|none",
+        help="start-up model that must be READY for readiness; repeatable "
+        "(default: every MODEL_DIR; 'none': ready once start-up preloads ended)",
+    )
 
     for name, text in (
         ("ls", "list models"),
-        ("health", "exit 0 when ready"),
         ("info", "daemon versions and memory"),
     ):
-        _client_arguments(sub.add_parser(name, help=text))
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--json", action="store_true", help="print the reply as JSON")
+        _client_arguments(cmd)
+    load = sub.add_parser("load", help="ask the running daemon to preload a checkpoint")
+    load.add_argument("model", metavar="PATH|REPO_ID")
+    load.add_argument("--revision", default=None, help="Hub branch, tag or commit (default main)")
+    load.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32, F64")
+    load.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    _client_arguments(load, timeout=None)
+    health = sub.add_parser("health", help="exit 0 when ready (or, --liveness, alive)")
+    probe = health.add_mutually_exclusive_group()
+    probe.add_argument(
+        "--readiness",
+        dest="service",
+        action="store_const",
+        const=READINESS,
+        help="every required model READY (the default)",
+    )
+    probe.add_argument(
+        "--liveness",
+        dest="service",
+        action="store_const",
+        const=LIVENESS,
+        help="the daemon's event loop answers",
+    )
+    health.set_defaults(service=READINESS)
+    _client_arguments(health)
     evict = sub.add_parser("evict", help="drop a model")
     evict.add_argument("name")
     evict.add_argument("--force", action="store_true")
@@ -170,10 +239,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _client_arguments(cmd: argparse.ArgumentParser) -> None:
+def _client_arguments(cmd: argparse.ArgumentParser, timeout: float | None = 5.0) -> None:
     cmd.add_argument("--socket", default=None, help="the daemon's Unix socket (wins over --device)")
     cmd.add_argument("--device", default="cpu", help=DEVICE_HELP)
-    cmd.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per RPC")
+    cmd.add_argument(
+        "--timeout",
+        type=float,
+        default=timeout,
+        metavar="SECONDS",
+        help=f"per RPC (default {timeout or 'none'})",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -192,12 +267,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"weightcache {args.command}: {err.reason}: {err.detail}", file=sys.stderr)
         return EXIT_FAILURE
     if args.command == "health":
-        return _health(socket, args.timeout)
+        return _health(socket, args.service, args.timeout)
     try:
         if args.command == "ls":
-            return _ls(socket, args.timeout)
+            return _ls(socket, args.timeout, args.json)
         if args.command == "info":
-            return _info(socket, args.timeout)
+            return _info(socket, args.timeout, args.json)
+        if args.command == "load":
+            return _load(socket, args)
         return _evict(socket, args.name, args.force, args.timeout)
     except WeightCacheError as err:
         print(f"weightcache {args.command}: {err.reason}: {err.detail}", file=sys.stderr)
@@ -240,7 +317,7 @@ def _preload(args: argparse.Namespace) -> int:
     from weightcache_service.server import DaemonConfig, PreloadSpec, model_roots, run_daemon
     from weightcache_service.socket_lock import SocketInUseError
 
-    configure_logging(args.log_format)
+    configure_logging(args.log_format, args.log_level)
     level = args.fingerprint_level
     if args.drain_timeout is not None and args.drain_timeout < 0:
         print("weightcache preload: --drain-timeout must not be negative", file=sys.stderr)
@@ -266,13 +343,17 @@ def _preload(args: argparse.Namespace) -> int:
             plugins=tuple(PluginStep.parse(text) for text in args.recipe),
         )
         ranks = parse_ranks(args.tp_rank, args.tp_size)
+        models = _models(args.models)
+        required = required_paths(
+            models, [r if r == "none" else _models([r])[0] for r in args.require]
+        )
         device = resolve_device(args.device)  # once: it names the socket and the backend
         config = DaemonConfig(
             socket=daemon_socket(args, device),
             device=device,
             preload=[
-                PreloadSpec(path, recipe, Placement(rank, args.tp_size), level)
-                for path in args.models
+                PreloadSpec(path, recipe, Placement(rank, args.tp_size), level, path in required)
+                for path in models
                 for rank in ranks
             ],
             options=ServiceOptions(
@@ -288,12 +369,28 @@ def _preload(args: argparse.Namespace) -> int:
             ),
             access=Access.for_group(args.group),
             tcp=_tcp(args),
+            health_listen=args.health_listen,
+            metrics_listen=args.metrics_listen,
         )
         run_daemon(config)
     except (AccessError, DeviceError, SocketInUseError, WeightCacheError, OSError) as err:
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
     return 0
+
+
+def _models(texts: list[str]) -> list[str]:
+    """Model arguments as paths: Hub repo ids resolved in the local Hub cache; what names
+    nothing is kept (the daemon refuses it at start-up, logged, and serves the others)."""
+    from weightcache_service.hub import resolve_or_keep
+
+    paths = []
+    for text in texts:
+        path, why = resolve_or_keep(text)
+        if why is not None:
+            structlog.get_logger("weightcache.daemon").warning("not found", error=why)
+        paths.append(path)
+    return paths
 
 
 def _tcp(args: argparse.Namespace) -> TcpListener | None:
@@ -310,6 +407,28 @@ def _tcp(args: argparse.Namespace) -> TcpListener | None:
         client_subjects=tuple(args.tls_client_subject),
         unauthenticated_info=args.allow_unauthenticated_info,
     )
+
+
+def required_paths(models: list[str], require: list[str]) -> set[str]:
+    """The start-up models (``models``, as given) that readiness waits for: every one when
+    ``require`` is empty, none for ``["none"]``, else those ``require`` names (compared by
+    realpath).
+
+    Raises:
+        RecipeError: a ``--require`` value is not among the start-up models.
+    """
+    if not require:
+        return set(models)
+    if require == ["none"]:
+        return set()
+    by_real = {os.path.realpath(m): m for m in models}
+    chosen = set()
+    for path in require:
+        model = by_real.get(os.path.realpath(path))
+        if model is None:
+            raise RecipeError(f"--require {path!r}: not among the models to preload")
+        chosen.add(model)
+    return chosen
 
 
 def parse_ranks(texts: list[str], size: int) -> list[int]:
@@ -336,14 +455,14 @@ def parse_ranks(texts: list[str], size: int) -> list[int]:
     return sorted(ranks)
 
 
-def _health(socket: str, timeout: float) -> int:
+def _health(socket: str, service: str, timeout: float) -> int:
     if not os.path.exists(socket):
         print(f"weightcache health: no daemon socket at {socket}", file=sys.stderr)
         return EXIT_FAILURE
     try:
         with grpc.insecure_channel(target(socket)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as exc:
         print(f"weightcache health: not serving: {exc.code().name}", file=sys.stderr)
         return EXIT_FAILURE
@@ -352,17 +471,36 @@ def _health(socket: str, timeout: float) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
 
 
-def _ls(socket: str, timeout: float) -> int:
+def _print_json(message: Message) -> None:
+    data = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _progress(model: pb.Model) -> str:
+    """Load progress: a percentage of the bytes while LOADING, else ``-``."""
+    total = model.progress.bytes_total
+    if model.state != pb.MODEL_STATE_LOADING:
+        return "-"
+    return f"{100 * model.progress.bytes_done // total}%" if total else "0%"
+
+
+def _ls(socket: str, timeout: float, as_json: bool) -> int:
     channel, stub = connect(socket)
     with channel:
         reply = call(lambda: stub.ListModels(pb.ListModelsRequest(), timeout=timeout))
-    rows = [("NAME", "STATE", "BYTES", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT")]
+    if as_json:
+        _print_json(reply)
+        return 0
+    rows = [("NAME", "STATE", "PROGRESS", "BYTES", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT")]
     for m in reply.models:
         state = pb.ModelState.Name(m.state).removeprefix("MODEL_STATE_")
         rows.append(
             (
                 m.name,
                 state,
+                _progress(m),
                 str(m.size_bytes),
                 str(m.tensor_count),
                 str(m.lease_count),
@@ -379,10 +517,13 @@ def _ls(socket: str, timeout: float) -> int:
     return 0
 
 
-def _info(socket: str, timeout: float) -> int:
+def _info(socket: str, timeout: float, as_json: bool) -> int:
     channel, stub = connect(socket)
     with channel:
         reply = call(lambda: stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout))
+    if as_json:
+        _print_json(reply)
+        return 0
     for key in (
         "version",
         "protocol_version",
@@ -395,6 +536,21 @@ def _info(socket: str, timeout: float) -> int:
     ):
         print(f"{key}: {getattr(reply, key)}")
     return 0
+
+
+def _load(socket: str, args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from weightcache_service.load_command import run_load
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    console = Console(stderr=True)
+    last = run_load(
+        socket, args.model, args.revision, dtype=args.dtype, timeout=args.timeout, console=console
+    )
+    state = pb.ModelState.Name(last.state).removeprefix("MODEL_STATE_")
+    print(f"{last.model} {state} {last.progress.bytes_total} bytes")
+    return 0 if last.state == pb.MODEL_STATE_READY else EXIT_FAILURE
 
 
 def _evict(socket: str, name: str, force: bool, timeout: float) -> int:

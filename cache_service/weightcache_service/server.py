@@ -1,8 +1,10 @@
 """The daemon process: grpc.aio server on a Unix socket, health, reflection, shutdown.
 
-Health (``grpc.health.v1``): service ``""`` is SERVING once the socket is bound; service
-``weightcache.v1.WeightCacheService`` is SERVING once every start-up preload has ended,
-and NOT_SERVING again while shutting down.
+Health (``grpc.health.v1``, :mod:`weightcache_service.health`): ``liveness`` while the
+loop serves; ``readiness`` and ``""`` once every required model is READY;
+``weightcache.v1.WeightCacheService`` once every start-up preload has ended. Optional
+listeners: health only (``--health-listen``, :mod:`.health`), Prometheus metrics
+(``--metrics-listen``, :mod:`.metrics`); ``sd_notify`` under systemd (:mod:`.notify`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
 from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
@@ -34,7 +35,10 @@ from weightcache_service.backend import CPU_DEVICE, Device, open_backend
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.cache import ServiceOptions, WeightCache
 from weightcache_service.guard import StatusGuard
+from weightcache_service.health import Health, HealthListener
 from weightcache_service.leases import LeaseTable
+from weightcache_service.metrics import Metrics, MetricsListener
+from weightcache_service.notify import Notifier
 from weightcache_service.segments import remove_dead_segments, segment_prefix
 from weightcache_service.servicer import WeightCacheServicer
 from weightcache_service.socket_lock import SocketLock
@@ -111,12 +115,14 @@ class TcpListener:
 
 @dataclass(frozen=True)
 class PreloadSpec:
-    """One model to load at start: a checkpoint folder under a recipe and placement."""
+    """One model to load at start: a checkpoint folder under a recipe and placement;
+    ``required``: the daemon is not ready (health ``readiness``) until it is READY."""
 
     path: str
     recipe: Recipe = field(default_factory=Recipe)
     placement: Placement = field(default_factory=Placement)
     fingerprint_level: Level = DEFAULT_LEVEL
+    required: bool = True
 
 
 @dataclass
@@ -133,6 +139,8 @@ class DaemonConfig:
         device: the resolved device (:func:`backend.resolve_device`): the CPU (shared
             memory) or a GPU (CUDA IPC).
         grace: seconds in-flight RPCs get at shutdown, after the drain.
+        health_listen: ``HOST:PORT`` of a plaintext health-only listener, or None.
+        metrics_listen: ``HOST:PORT`` of the Prometheus metrics listener, or None.
     """
 
     socket: str
@@ -143,6 +151,8 @@ class DaemonConfig:
     tcp: TcpListener | None = None
     device: Device = CPU_DEVICE
     grace: float = 1.0
+    health_listen: str | None = None
+    metrics_listen: str | None = None
 
 
 class Daemon:
@@ -164,7 +174,14 @@ class Daemon:
         )
         # Until every start-up preload is registered, a miss may be a model about to load.
         self.cache.starting = bool(config.preload)
-        self.health = health_aio.HealthServicer()
+        self.notifier = Notifier.from_env()
+        self.health = Health(self.store, on_ready=self._notify_ready)
+        self._health_listener = (
+            HealthListener(config.health_listen) if config.health_listen else None
+        )
+        self._metrics_listener = (
+            MetricsListener(config.metrics_listen) if config.metrics_listen else None
+        )
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._drain_deadline: float | None = None
@@ -180,7 +197,8 @@ class Daemon:
         """Serve until :meth:`stop`; then free every arena, remove the socket, unlock.
 
         Raises:
-            AccessError: the socket folder or the TCP listener is unusable or unsafe.
+            AccessError: the socket folder, the TCP listener, the health or the metrics
+                listener is unusable or unsafe (a malformed or busy address).
             SocketInUseError: another daemon serves the socket.
         """
         socket = self.config.socket
@@ -190,6 +208,7 @@ class Daemon:
             self._clean_after_predecessor(socket)
             server = await self._start_server(socket)
             try:
+                await self._start_listeners()
                 await self._serve()
             finally:
                 await self._shutdown(server)
@@ -228,7 +247,7 @@ class Daemon:
             ],
         )
         pb_grpc.add_WeightCacheServiceServicer_to_server(WeightCacheServicer(self.cache), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
@@ -247,27 +266,57 @@ class Daemon:
         finally:
             os.umask(old_umask)
         self.config.access.secure_path(socket, self.config.access.socket_mode)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.bound()
         log.info("listening", socket=socket, instance=self.instance_id[:12], pid=os.getpid())
         return server
 
+    async def _start_listeners(self) -> None:
+        """The optional health-only and metrics listeners (a bind failure stops the start:
+        an operator who asked for probes must not get a daemon without them)."""
+        if self._health_listener is not None:
+            await self._health_listener.start(self.health)
+        if self._metrics_listener is not None:
+            metrics = Metrics(self.cache, asyncio.get_running_loop())
+            await asyncio.to_thread(self._metrics_listener.start, metrics)
+
+    async def _stop_listeners(self) -> None:
+        if self._health_listener is not None:
+            await self._health_listener.stop()
+        if self._metrics_listener is not None:
+            await asyncio.to_thread(self._metrics_listener.stop)
+
+    def _notify_ready(self) -> None:
+        models = sum(1 for e in self.store.entries() if e.state == "ready")
+        self.notifier.send("READY=1", f"STATUS=serving {models} model(s)", f"MAINPID={os.getpid()}")
+
+    async def _watchdog_forever(self, interval: float) -> None:
+        # Sent from the event loop: a loop that stops turning stops the pings.
+        while True:
+            self.notifier.send("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
     async def _serve(self) -> None:
-        reaper = asyncio.create_task(self._reap_forever())
-        startup = asyncio.create_task(self._preload_startup())
+        tasks = [
+            asyncio.create_task(self._reap_forever()),
+            asyncio.create_task(self._preload_startup()),
+            asyncio.create_task(self.health.watch()),
+        ]
+        if (interval := self.notifier.watchdog_interval) is not None:
+            tasks.append(asyncio.create_task(self._watchdog_forever(interval)))
         try:
             await self._stop.wait()
             await self._drain()
         finally:
-            startup.cancel()
-            reaper.cancel()
-            await asyncio.gather(startup, reaper, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _drain(self) -> None:
         """Refuse new leases, push REVOKING to every holder, and wait until they have all
         released or the drain timeout has passed (or a second signal came)."""
         self.cache.draining = True
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.notifier.send("STOPPING=1", "STATUS=draining")
+        await self.health.draining()
         live = self.cache.revoke_all()
         if not live:
             return
@@ -290,13 +339,19 @@ class Daemon:
         refused = 0
         for spec in cfg.preload:
             try:
-                _, task = await self.cache.begin_load(
+                entry, task = await self.cache.begin_load(
                     spec.path, spec.recipe, spec.placement, spec.fingerprint_level
                 )
                 tasks.append(task)
+                if spec.required:
+                    self.health.require(entry.name)
             except ModelExistsError as err:
                 log.warning("already held", path=spec.path, error=err.detail)
+                if spec.required and "model" in err.metadata:
+                    self.health.require(err.metadata["model"])
             except WeightCacheError as err:
+                if spec.required:
+                    self.health.refused()
                 # A model refused for lack of memory stays listed (FAILED): counted below.
                 if not isinstance(err, ResourceExhaustedError):
                     refused += 1
@@ -304,10 +359,12 @@ class Daemon:
             except Exception as err:
                 # Never let one model stop the others or leave health NOT_SERVING forever.
                 refused += 1
+                if spec.required:
+                    self.health.refused()
                 log.exception("cannot preload", path=spec.path, error=repr(err))
         self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.started()
         entries = self.store.entries()
         ready = [e for e in entries if e.state == "ready"]
         failed = refused + len(entries) - len(ready)
@@ -331,9 +388,10 @@ class Daemon:
     async def _shutdown(self, server: grpc.aio.Server) -> None:
         log.info("shutting down", leases=len(self.cache.leases))
         self.cache.draining = True
-        await self.health.enter_graceful_shutdown()
+        await self.health.shutdown()
         self.cache.close_sessions()
         await server.stop(self._grace())
+        await self._stop_listeners()
         await self.cache.wait_loads()
         self.store.close()
         log.info("stopped")

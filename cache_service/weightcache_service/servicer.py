@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar, get_args
 
@@ -111,6 +112,16 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
 
     @_unary
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
+        start = time.perf_counter()
+        try:
+            reply = self._acquire(request, context)
+        except WeightCacheError as err:
+            self.cache.events.acquired(err.reason, time.perf_counter() - start)
+            raise
+        self.cache.events.acquired("", time.perf_counter() - start)
+        return reply
+
+    def _acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         self.cache.check_open()
         want = acquisition_from_pb(request)
         if not peer_is_local(context.peer()):

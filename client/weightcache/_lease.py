@@ -40,14 +40,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import grpc
-import structlog
 
+from weightcache._log import get_logger
 from weightcache.core.errors import LeaseLostError
 from weightcache.core.protocol import lease_status_from_pb
 from weightcache.core.rpc import connect
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
-log = structlog.get_logger("weightcache.lease")
+log = get_logger("weightcache.lease")
 
 Policy = Literal["raise", "exit", "ignore"]
 POLICIES: tuple[Policy, ...] = ("raise", "exit", "ignore")

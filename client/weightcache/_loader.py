@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Union, Unpack
 
-import structlog
 import torch
 
 from weightcache._handles import MappedArena, open_cuda_ipc, open_shared_memory
@@ -46,6 +45,7 @@ from weightcache._lease import (
     live_session,
     session_for,
 )
+from weightcache._log import get_logger
 from weightcache._options import LoadKeywords, LoadOptions, Mode, resolve
 from weightcache._trust import check_socket, trusted_uids
 from weightcache.core.checkpoint import (
@@ -83,7 +83,7 @@ from weightcache.core.sockets import default_socket
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
-log = structlog.get_logger("weightcache")
+log = get_logger("weightcache")
 
 Source = Literal["cache", "disk"]
 #: Seconds between Acquire attempts while the model loads or the daemon starts.

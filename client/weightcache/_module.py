@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from typing import Unpack
 
-import structlog
 import torch
 from torch import nn
 
 from weightcache._loader import LoadedWeights, load
+from weightcache._log import get_logger
 from weightcache._options import LoadKeywords, LoadOptions
 
-log = structlog.get_logger("weightcache")
+log = get_logger("weightcache")
 
 
 def load_into(

@@ -24,6 +24,7 @@ Modules (one concept each):
 - ``driver``: :class:`Worker`, :class:`WorkerPool`, :func:`worker_pool` (the test's end);
 - ``worker``: the worker process, ``python -m weightcache.testing.worker``;
 - ``protocol``: the JSON line protocol both ends speak, for workers of one's own;
+- ``logs``: :func:`capture_sdk_logs`, what the SDK logs (standard ``logging``) as dicts;
 - ``pytest_plugin``: fixtures ``wc_checkpoints``, ``wc_daemons``, ``wc_workers``; opt in
   with ``pytest_plugins = ["weightcache.testing.pytest_plugin"]`` in a ``conftest.py``.
 
@@ -73,6 +74,7 @@ from weightcache.testing.driver import (
     WorkerTimeoutError,
     worker_pool,
 )
+from weightcache.testing.logs import capture_sdk_logs
 
 __all__ = [
     "INDEX_FILE",
@@ -97,6 +99,7 @@ __all__ = [
     "WorkerPool",
     "WorkerTimeoutError",
     "assert_bitwise_equal",
+    "capture_sdk_logs",
     "child_env",
     "daemon_pool",
     "health",

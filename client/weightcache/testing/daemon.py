@@ -1,9 +1,11 @@
 """Real ``weightcache preload`` daemons on Unix sockets in temporary folders, for tests.
 
 A :class:`Daemon` is ``python -m weightcache_service.cli preload ARGS... --socket S`` in
-its own process, stdout and stderr logged to a file. It is ready when the readiness health
+its own process, stdout and stderr logged to a file. It is ready when the start-up health
 check (service ``weightcache.v1.WeightCacheService``) answers SERVING: every start-up
-preload has ended. :func:`run_daemon` is the one-daemon context manager (start, wait,
+preload has ended, successfully or not (the ``readiness`` service, which waits for the
+required models to be READY, would never answer SERVING for a daemon whose model fails on
+purpose). :func:`run_daemon` is the one-daemon context manager (start, wait,
 check every model is READY, stop, check nothing is left); :class:`DaemonPool` holds the
 several daemons of one test and checks them all at the end.
 
@@ -111,8 +113,9 @@ def shm_segments(tag: str) -> list[str]:
 
 
 def health(socket: str, timeout: float = 1.0) -> str | None:
-    """The readiness status name (``SERVING``, ``NOT_SERVING``, ...) of the daemon at
-    ``socket``, or None when none answers within ``timeout`` seconds."""
+    """The start-up status name (``SERVING``, ``NOT_SERVING``, ...; service
+    ``weightcache.v1.WeightCacheService``) of the daemon at ``socket``, or None when none
+    answers within ``timeout`` seconds."""
     if not os.path.exists(socket):
         return None
     with grpc.insecure_channel(target(socket)) as channel:

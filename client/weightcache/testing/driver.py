@@ -122,7 +122,8 @@ class Worker:
             dump: a safetensors file to save the tensors it got to (read it back with
                 ``safetensors.torch.load_file`` and compare bitwise).
             lost_callback: pass an ``on_lease_lost`` that sends a ``lease_lost`` event.
-            capture_logs: return what it logged (``structlog``) under ``"logs"``.
+            capture_logs: return what it logged (the ``weightcache`` logger, as event dicts:
+                :func:`weightcache.testing.logs.capture_sdk_logs`) under ``"logs"``.
             kwargs: JSON-able keyword arguments of ``weightcache.load`` (``socket``, ...).
 
         Returns:

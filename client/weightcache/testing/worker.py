@@ -33,9 +33,9 @@ from typing import Any, TextIO
 
 import torch
 from safetensors.torch import save_file
-from structlog.testing import capture_logs
 
 import weightcache
+from weightcache.testing.logs import capture_sdk_logs
 from weightcache.testing.protocol import (
     Handler,
     describe,
@@ -178,7 +178,7 @@ def timed_load(
     start = time.monotonic()
     try:
         if cmd.get("capture_logs"):
-            with capture_logs() as logs:
+            with capture_sdk_logs() as logs:
                 weights = weightcache.load(cmd["path"], **kwargs)
         else:
             weights = weightcache.load(cmd["path"], **kwargs)

@@ -1,0 +1,91 @@
+"""``weightcache load PATH|REPO_ID``: ask a running daemon to preload a checkpoint (the
+Preload RPC) and follow its progress with a progress bar (``rich``, on stderr) until the
+model is READY.
+
+The daemon reads the files itself: it must have been started with
+``--allow-remote-preload`` and a ``--model-root`` that holds the checkpoint (for a Hub
+repo id, the Hub cache folder). The path sent is the realpath of the local one, so the
+daemon and this command must see the same file system.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+
+from weightcache.core.rpc import call, connect
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.hub import resolve_model
+
+
+def preload_request(model: str, revision: str | None, dtype: str | None) -> pb.PreloadRequest:
+    """The Preload request for a path or Hub repo id (resolved in the local Hub cache).
+
+    Raises:
+        InvalidCheckpointError: ``model`` is neither a path nor a cached Hub repo.
+    """
+    path = os.path.realpath(resolve_model(model, revision))
+    return pb.PreloadRequest(path=path, recipe=pb.Recipe(dtype=dtype or ""))
+
+
+def follow(replies: Iterable[pb.PreloadResponse], console: Console) -> pb.PreloadResponse:
+    """Show each progress message on a bar (bytes written of bytes to write); returns the
+    last message (state READY when the load succeeded)."""
+    last = pb.PreloadResponse()
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+    )
+    replies = iter(replies)
+    first = next(replies, None)  # a refusal comes before any bar is drawn
+    if first is None:
+        return last
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(first.model, total=None)
+        for reply in itertools.chain([first], replies):
+            last = reply
+            done, total = reply.progress.bytes_done, reply.progress.bytes_total
+            bar.update(task, completed=done, total=total or None)
+    return last
+
+
+def run_load(
+    socket: str,
+    model: str,
+    revision: str | None,
+    *,
+    dtype: str | None,
+    timeout: float | None,
+    console: Console,
+) -> pb.PreloadResponse:
+    """Preload ``model`` on the daemon at ``socket`` and follow it to the end.
+
+    Returns:
+        The last progress message (READY).
+
+    Raises:
+        InvalidCheckpointError: ``model`` is neither a path nor a cached Hub repo, or the
+            daemon found it malformed.
+        WeightCacheError: the daemon refused or the load failed (its reason:
+            ``PERMISSION_DENIED`` without ``--allow-remote-preload``/``--model-root``,
+            ``MODEL_EXISTS``, ``RESOURCE_EXHAUSTED``, ``MODEL_FAILED``...).
+        DaemonUnavailableError: no daemon answered, or ``timeout`` seconds passed.
+    """
+    request = preload_request(model, revision, dtype)
+    channel, stub = connect(socket)
+    with channel:
+        return call(lambda: follow(stub.Preload(request, timeout=timeout), console))

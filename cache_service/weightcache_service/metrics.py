@@ -1,0 +1,229 @@
+"""Prometheus metrics of one daemon (``--metrics-listen HOST:PORT``, path ``/metrics``).
+
+Each daemon has its own :class:`~prometheus_client.CollectorRegistry` (never the process's
+global one), so that several daemons in one process, as in tests, do not mix. Counters
+and the acquire histogram are fed by the cache's events (:class:`CacheEvents`); gauges are
+read at scrape time from a snapshot taken on the event loop (the HTTP server answers on
+its own thread, and the cache's tables belong to the loop).
+
+| metric | type | labels | meaning |
+|---|---|---|---|
+| ``weightcache_models`` | gauge | ``state`` | models by state (loading, ready, failed, evicting) |
+| ``weightcache_memory_held_bytes`` | gauge | | bytes of arenas held |
+| ``weightcache_memory_budget_bytes`` | gauge | | the arena budget (absent when unlimited) |
+| ``weightcache_leases_active`` | gauge | | live leases |
+| ``weightcache_acquires_total`` | counter | ``result``, ``reason`` | Acquire RPCs (1) |
+| ``weightcache_acquire_duration_seconds`` | histogram | | Acquire latency in the daemon |
+| ``weightcache_preloads_total`` | counter | ``result`` | loads ended, ``ready`` or ``failed`` |
+| ``weightcache_preload_bytes_total`` | counter | | bytes of models loaded READY |
+| ``weightcache_preload_seconds_total`` | counter | | seconds spent loading them |
+| ``weightcache_lease_expiries_total`` | counter | | leases ended by their TTL |
+| ``weightcache_lease_revocations_total`` | counter | | leases revoked (forced evict, drain) |
+| ``weightcache_daemon_info`` | gauge | ``version``, ``backend``, ``device_uuid`` | 1 |
+
+(1) ``result`` ``granted`` (``reason`` empty) or ``refused`` (``reason`` the error's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import get_args
+from wsgiref.simple_server import WSGIServer
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from weightcache.core.records import ModelState
+from weightcache_service.access import AccessError, parse_listen
+from weightcache_service.cache import CacheEvents, WeightCache
+from weightcache_service.store import Entry
+
+log = structlog.get_logger("weightcache.daemon")
+
+#: Acquire takes well under a millisecond when it hits: finer buckets than the default.
+ACQUIRE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5)
+#: Seconds a scrape waits for the event loop's snapshot.
+SNAPSHOT_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The gauges' values at one instant, taken on the event loop."""
+
+    states: dict[str, int]
+    held: int
+    budget: int | None
+    leases: int
+
+
+class Metrics(CacheEvents):
+    """The metrics of one daemon's cache; an event sink the cache calls.
+
+    Args:
+        cache: the cache observed (its ``events`` are set to this object).
+        loop: the event loop that owns the cache.
+    """
+
+    def __init__(self, cache: WeightCache, loop: asyncio.AbstractEventLoop) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._cache = cache
+        self._loop = loop
+        self.acquires = Counter(
+            "weightcache_acquires",
+            "Acquire RPCs by result (granted, refused) and refusal reason.",
+            ["result", "reason"],
+            registry=self.registry,
+        )
+        self.acquire_seconds = Histogram(
+            "weightcache_acquire_duration_seconds",
+            "Time the daemon took to answer an Acquire.",
+            buckets=ACQUIRE_BUCKETS,
+            registry=self.registry,
+        )
+        self.preloads = Counter(
+            "weightcache_preloads", "Loads ended, by result.", ["result"], registry=self.registry
+        )
+        self.preload_bytes = Counter(
+            "weightcache_preload_bytes", "Bytes of models loaded READY.", registry=self.registry
+        )
+        self.preload_seconds = Counter(
+            "weightcache_preload_seconds",
+            "Seconds spent loading the models that became READY.",
+            registry=self.registry,
+        )
+        self.expiries = Counter(
+            "weightcache_lease_expiries", "Leases ended by their TTL.", registry=self.registry
+        )
+        self.revocations = Counter(
+            "weightcache_lease_revocations",
+            "Leases revoked (forced evict, drain).",
+            registry=self.registry,
+        )
+        self.registry.register(_Gauges(self))
+        cache.events = self
+
+    # -- CacheEvents -------------------------------------------------------------------
+
+    def acquired(self, reason: str, seconds: float) -> None:
+        """Count an Acquire: ``reason`` empty when granted, else the refusal's reason."""
+        self.acquires.labels("refused" if reason else "granted", reason).inc()
+        self.acquire_seconds.observe(seconds)
+
+    def loaded(self, entry: Entry) -> None:
+        """Count a load that ended, READY or not."""
+        ready = entry.state == "ready"
+        self.preloads.labels("ready" if ready else "failed").inc()
+        if ready:
+            self.preload_bytes.inc(entry.size)
+            self.preload_seconds.inc(entry.load_seconds)
+
+    def lease_expired(self) -> None:
+        """Count a lease ended by its TTL."""
+        self.expiries.inc()
+
+    def leases_revoked(self, count: int) -> None:
+        """Count ``count`` leases revoked at once."""
+        self.revocations.inc(count)
+
+    # -- scrape ------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """The gauges' values, read on the event loop (call from another thread).
+
+        Raises:
+            TimeoutError: the loop did not answer within :data:`SNAPSHOT_TIMEOUT` seconds.
+        """
+
+        async def take() -> Snapshot:
+            states = dict.fromkeys(get_args(ModelState), 0)
+            for entry in self._cache.store.entries():
+                states[entry.state] += 1
+            budget = self._cache.store.budget
+            return Snapshot(
+                states=states,
+                held=self._cache.store.held_bytes(),
+                budget=budget.limit if budget is not None else None,
+                leases=len(self._cache.leases),
+            )
+
+        future = asyncio.run_coroutine_threadsafe(take(), self._loop)
+        return future.result(SNAPSHOT_TIMEOUT)
+
+
+class _Gauges(Collector):
+    """The gauges, collected at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        # No snapshot at registration (the loop may not run yet): names only.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._metrics.snapshot()
+        models = GaugeMetricFamily("weightcache_models", "Models by state.", labels=["state"])
+        for state, count in snap.states.items():
+            models.add_metric([state], count)
+        yield models
+        yield GaugeMetricFamily(
+            "weightcache_memory_held_bytes", "Bytes of arenas held.", value=snap.held
+        )
+        if snap.budget is not None:
+            yield GaugeMetricFamily(
+                "weightcache_memory_budget_bytes", "The arena budget.", value=snap.budget
+            )
+        yield GaugeMetricFamily("weightcache_leases_active", "Live leases.", value=snap.leases)
+        env = self._metrics._cache.environment
+        info = GaugeMetricFamily(
+            "weightcache_daemon_info",
+            "The daemon: version, backend and device UUID (always 1).",
+            labels=["version", "backend", "device_uuid"],
+        )
+        info.add_metric([env.weightcache_version, env.backend, env.device_uuid], 1)
+        yield info
+
+
+class MetricsListener:
+    """``--metrics-listen HOST:PORT``: the registry over HTTP (prometheus-client's server,
+    on a thread of its own).
+
+    Args:
+        address: ``HOST:PORT``; port 0 picks a free one.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, metrics: Metrics) -> int:
+        """Bind and serve; returns the port bound.
+
+        Raises:
+            AccessError: ``address`` is not ``HOST:PORT``, or cannot be bound.
+        """
+        try:
+            host, port = parse_listen(self.address)
+        except AccessError:
+            raise AccessError(f"--metrics-listen {self.address!r}: use HOST:PORT") from None
+        try:
+            self._server, self._thread = start_http_server(port, host, registry=metrics.registry)
+        except OSError as exc:
+            raise AccessError(f"--metrics-listen {self.address}: cannot bind: {exc}") from None
+        bound = int(self._server.server_port)
+        log.info("metrics listening", address=self.address, port=bound)
+        return bound
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,103 @@
+"""``Type=notify``: a real daemon's ``sd_notify`` datagrams, received on a datagram socket
+bound as its ``$NOTIFY_SOCKET`` (as systemd does)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket as socketlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import Checkpoints, DaemonPool, write_malformed
+
+#: $WATCHDOG_USEC: a 0.4 s watchdog, so a ping every 0.2 s.
+WATCHDOG_USEC = 400_000
+
+
+class Listener:
+    """A bound datagram socket that collects what is sent to it."""
+
+    def __init__(self, sock: socketlib.socket) -> None:
+        self.sock = sock
+        self.messages: list[str] = []
+
+    def wait_for(self, field: str, timeout: float = 60.0) -> list[str]:
+        """Read until a message holding ``field`` (a line) arrives; returns all so far.
+
+        Raises:
+            AssertionError: none within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while not any(field in m.split("\n") for m in self.messages):
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {field} within {timeout} s: {self.messages}"
+            self.sock.settimeout(left)
+            with contextlib.suppress(TimeoutError):
+                self.messages.append(self.sock.recv(4096).decode())
+        return self.messages
+
+    def drain(self) -> list[str]:
+        """Everything sent so far, without waiting."""
+        self.sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                self.messages.append(self.sock.recv(4096).decode())
+        self.sock.setblocking(True)
+        return self.messages
+
+
+@pytest.fixture
+def notify(daemons: DaemonPool) -> Iterator[tuple[str, Listener]]:
+    path = daemons.socket("notify")
+    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        try:
+            yield path, Listener(sock)
+        finally:
+            Path(path).unlink()
+
+
+def test_ready_watchdog_and_stopping(
+    daemons: DaemonPool, checkpoints: Checkpoints, notify: tuple[str, Listener]
+) -> None:
+    path, listener = notify
+    daemon = daemons.start(
+        [checkpoints.single],
+        env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": str(WATCHDOG_USEC)},
+        wait=False,
+    )
+
+    listener.wait_for("READY=1")
+    [ready] = [m for m in listener.messages if "READY=1" in m.split("\n")]
+    assert ready.split("\n") == ["READY=1", "STATUS=serving 1 model(s)", f"MAINPID={daemon.pid}"]
+    listener.messages.clear()
+    listener.wait_for("WATCHDOG=1", timeout=5)  # pings go on after READY
+    assert set(listener.messages) == {"WATCHDOG=1"}
+
+    assert daemon.stop() == 0
+    stopping = [m for m in listener.drain() if "STOPPING=1" in m.split("\n")]
+    assert stopping == ["STOPPING=1\nSTATUS=draining"]
+
+
+def test_no_ready_while_a_required_model_failed(
+    daemons: DaemonPool, checkpoints: Checkpoints, notify: tuple[str, Listener], tmp_path: Path
+) -> None:
+    path, listener = notify
+    bad = write_malformed(tmp_path / "bad", "invalid-json")
+    daemons.start([checkpoints.single, bad], env={"NOTIFY_SOCKET": path})  # start-up ended
+
+    time.sleep(1.0)  # readiness is re-evaluated every 0.2 s: give it a few turns
+    assert [m for m in listener.drain() if "READY=1" in m.split("\n")] == []
+
+
+def test_without_notify_socket_nothing_is_sent(
+    daemons: DaemonPool, checkpoints: Checkpoints, notify: tuple[str, Listener]
+) -> None:
+    _, listener = notify
+    daemons.start([checkpoints.single])
+
+    time.sleep(0.5)
+    assert listener.drain() == []
