@@ -74,9 +74,9 @@ def run_engine(model: Path, load_format: str, extra: dict[str, Any], out: Path) 
             f"{load_format} engine exited {done.returncode}:\n{log[-OUTPUT_TAIL_CHARS:]}"
         )
     result: dict[str, Any] = torch.load(out, weights_only=True)
-    result["attached"] = any(
-        ATTACHED_LINE in line and "source=cache" in line for line in log.splitlines()
-    )
+    lines = [line for line in log.splitlines() if ATTACHED_LINE in line and "source=cache" in line]
+    result["attached"] = bool(lines)
+    result["attached_line"] = lines[0][lines[0].index(ATTACHED_LINE) :] if lines else ""
     return result
 
 
@@ -88,6 +88,9 @@ def print_timings(cache: dict[str, Any], disk: dict[str, Any]) -> None:
     print(f"  weights, disk / daemon: {disk['load_weights_s'] / cache['load_weights_s']:.1f}x")
     print("  weights: the model loader's load_weights (attach or read, and vLLM's weight")
     print("  loaders copying into the model's parameters); engine start: vllm.LLM(...).")
+    print("  Both read memory here: the checkpoint is in the page cache (the daemon has just")
+    print("  read it). The loader's own split:")
+    print(f"    {cache['attached_line']}")
 
 
 def run_demo(tmp: Path) -> bool:

@@ -34,7 +34,9 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
 
-import weightcache
+# Imported here, when vLLM loads the plugin, not inside the first load (weightcache's names
+# import lazily): gRPC and the stubs are then ready before the weights are timed.
+from weightcache import FallbackReason, load
 from weightcache.core.errors import WeightCacheError
 from weightcache.integrations.vllm.config import VllmLoaderConfig
 
@@ -94,9 +96,9 @@ class WeightcacheModelLoader(BaseModelLoader):
             )
         start = time.perf_counter()
         try:
-            weights = weightcache.load(folder, options=self.config.load_options(tp_size))
+            weights = load(folder, options=self.config.load_options(tp_size))
         except WeightCacheError as err:
-            if not self.config.fallback or err.reason not in weightcache.FallbackReason.CODES:
+            if not self.config.fallback or err.reason not in FallbackReason.CODES:
                 raise
             logger.warning(
                 "weightcache: falling back to vLLM's default loader: reason=%s detail=%s",
@@ -105,17 +107,19 @@ class WeightcacheModelLoader(BaseModelLoader):
             )
             self._default_loader().load_weights(model, model_config)
             return
+        attached = time.perf_counter()
         with weights:
             loaded = cast(_VllmModel, model).load_weights(iter(weights.tensors.items()))
             nbytes = sum(t.nbytes for t in weights.tensors.values())
             logger.info(
                 "weightcache: attached %d tensors (%.1f MB) of model %r from the daemon at "
-                "%s in %.3f s: source=%s",
+                "%s in %.3f s, then vLLM's weight loaders copied them in %.3f s: source=%s",
                 len(weights.tensors),
                 nbytes / 1e6,
                 weights.model,
                 weights.socket,
-                time.perf_counter() - start,
+                attached - start,
+                time.perf_counter() - attached,
                 weights.source,
             )
         # vLLM's weight loaders copy into the model's own parameters: once loaded, the
