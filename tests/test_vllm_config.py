@@ -42,10 +42,9 @@ def test_every_key_is_read() -> None:
 def test_the_load_options_never_fall_back_inside_weightcache() -> None:
     # A refusal must reach the loader as an exception: vLLM's default loader reads the disk.
     config = VllmLoaderConfig.parse({"socket": "/s/d.sock", "dtype": "F16", "wait_timeout": 2})
-    for tp_size in (1, 4):
-        assert config.load_options(tp_size) == LoadOptions(
-            socket="/s/d.sock", dtype="F16", fallback=False, wait_timeout=2.0
-        )
+    assert config.load_options() == LoadOptions(
+        socket="/s/d.sock", dtype="F16", fallback=False, wait_timeout=2.0
+    )
 
 
 @pytest.mark.parametrize(

@@ -76,15 +76,15 @@ class VllmLoaderConfig:
             wait_timeout=_seconds(extra, "wait_timeout"),
         )
 
-    def load_options(self, tp_size: int) -> LoadOptions:
+    def load_options(self) -> LoadOptions:
         """The options of :func:`weightcache.load` for this engine.
 
         The loader asks without weightcache's own disk fallback (``fallback=False``): a
         refusal comes back as an exception, and vLLM's default loader reads the disk.
-        Whatever ``tp_size``, every rank gets the full tensors (placement 0 of 1): vLLM's
-        weight loaders shard checkpoint tensors themselves, and would shard a shard again.
+        Whatever vLLM's ``tensor_parallel_size``, every rank gets the full tensors
+        (placement 0 of 1): vLLM's weight loaders shard checkpoint tensors themselves, and
+        would shard a shard again.
         """
-        del tp_size  # the full tensors for every rank; see the docstring
         return LoadOptions(
             socket=self.socket,
             dtype=self.dtype,

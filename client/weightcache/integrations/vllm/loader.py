@@ -96,7 +96,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             )
         start = time.perf_counter()
         try:
-            weights = load(folder, options=self.config.load_options(tp_size))
+            weights = load(folder, options=self.config.load_options())
         except WeightCacheError as err:
             if not self.config.fallback or err.reason not in FallbackReason.CODES:
                 raise
