@@ -86,6 +86,16 @@ class WeightcacheModelLoader(BaseModelLoader):
             weightcache.InvalidCheckpointError: the checkpoint is malformed.
             ValueError: a parameter of ``model`` got no tensor from the checkpoint.
         """
+        unsupported = _other_weight_sources(model)
+        if unsupported:
+            logger.warning(
+                "weightcache: %s reads weights the checkpoint folder's safetensors do not "
+                "hold (%s); loading with vLLM's default loader",
+                type(model).__name__,
+                unsupported,
+            )
+            self._default_loader().load_weights(model, model_config)
+            return
         folder = self._model_folder(model_config)
         tp_size = get_tensor_model_parallel_world_size()
         if tp_size > 1:
@@ -122,8 +132,9 @@ class WeightcacheModelLoader(BaseModelLoader):
                 time.perf_counter() - attached,
                 weights.source,
             )
-        # vLLM's weight loaders copy into the model's own parameters: once loaded, the
-        # daemon's memory is no longer read, and the lease is released (``with``).
+        # vLLM's weight loaders copy into the model's own parameters, so the lease ends
+        # once they are done (``with``); a view a loader kept would stay readable anyway:
+        # on CPU a mapping outlives its lease (copy-on-write, see weightcache._lease).
         if loaded is not None and model_config.quantization is None:
             self._default_loader().track_weights_loading(model, set(loaded))
 
@@ -147,3 +158,14 @@ class WeightcacheModelLoader(BaseModelLoader):
             self.load_config, load_format="auto", model_loader_extra_config={}
         )
         return DefaultModelLoader(config)
+
+
+def _other_weight_sources(model: nn.Module) -> str:
+    """What makes vLLM's default loader read more than the folder's safetensors for this
+    model (a second source, its own file patterns); empty when nothing does."""
+    found = []
+    if getattr(model, "secondary_weights", ()):
+        found.append("secondary_weights")
+    if getattr(model, "allow_patterns_overrides", None) is not None:
+        found.append("allow_patterns_overrides")
+    return ", ".join(found)
