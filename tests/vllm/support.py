@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from weightcache.testing.daemon import child_env
 
@@ -105,6 +105,15 @@ def make_tiny_llama(folder: Path) -> Path:
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_file(llama_tensors(config), folder / "model.safetensors", metadata={"format": "pt"})
     return folder
+
+
+def cast_copy(folder: Path, dest: Path, dtype: torch.dtype) -> Path:
+    """A copy of the model ``folder`` whose ``model.safetensors`` holds its floating
+    tensors cast to ``dtype`` (what a daemon's ``--dtype`` holds); returns ``dest``."""
+    shutil.copytree(folder, dest)
+    tensors = load_file(folder / "model.safetensors")
+    save_file({n: t.to(dtype) for n, t in tensors.items()}, dest / "model.safetensors")
+    return dest
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 from tests.vllm.support import (
     ENGINE_TIMEOUT,
     EngineRun,
+    cast_copy,
     make_tiny_llama,
     minilm_dir,
     run_engine,
@@ -129,6 +130,22 @@ def test_llama_generates_the_default_loaders_tokens_from_the_daemon(
     assert [len(t) for t in tokens] == [12, 12]
     assert len({*tokens[0], *tokens[1]}) > 2  # a model that repeats one token proves little
     assert tokens == llama_default.result["token_ids"]
+    assert_no_leases(daemon.socket)
+
+
+def test_a_daemons_cast_is_attached_as_the_default_loader_reads_a_cast_checkpoint(
+    daemons: DaemonPool, llama: Path, tmp_path: Path
+) -> None:
+    # The daemon holds a BF16 cast; the engine (float32) asks for it with "dtype", and
+    # must generate what the default loader generates from the same cast written to disk.
+    daemon = daemons.start([llama], dtype="BF16")
+    extra = {"socket": daemon.socket, "dtype": "BF16"}
+    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "cache.pt", extra)
+    bf16 = cast_copy(llama, tmp_path / "tiny-llama-bf16", torch.bfloat16)
+    want = run_engine(bf16, "generate", "auto", tmp_path / "disk.pt")
+
+    assert run.attached(), run.log[-4000:]
+    assert run.result["token_ids"] == want.result["token_ids"]
     assert_no_leases(daemon.socket)
 
 
