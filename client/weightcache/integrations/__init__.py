@@ -1,0 +1,1 @@
+"""Integrations of weightcache into model servers; each needs its server installed."""

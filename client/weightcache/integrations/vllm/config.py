@@ -1,0 +1,134 @@
+"""The loader's options: vLLM's ``model_loader_extra_config`` for load format ``weightcache``.
+
+vLLM hands the loader that dict as given (``--model-loader-extra-config`` is JSON). The
+keys, all optional:
+
+- ``socket`` (str): the daemon's Unix socket; default: the CPU daemon's default socket
+  (:func:`weightcache.default_socket`, which honours ``$WEIGHTCACHE_SOCKET``);
+- ``dtype`` (str): the daemon's ``--dtype`` (``"BF16"``, ``"F16"``, ``"F32"``, ``"F64"``),
+  when it casts at preload; default none: the checkpoint's dtypes, which vLLM casts to the
+  model's dtype while loading, as its default loader does;
+- ``fingerprint_level`` (``"full"``, ``"sampled"``, ``"layout"``): the daemon's
+  ``--fingerprint-level``; default ``"full"``;
+- ``fallback`` (bool): when the daemon cannot serve (one of
+  ``weightcache.FallbackReason.CODES``), load with vLLM's default loader and log the reason
+  code (default true), or raise (false);
+- ``wait_timeout`` (seconds, >= 0): how long to wait for a daemon still loading the model
+  (and, without ``fallback``, for the daemon's socket); default 0: an engine starts now,
+  from disk, rather than wait.
+
+An unknown key or a value of the wrong type is a ``ValueError`` naming it, raised when
+vLLM builds the loader (before any weight is read).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from weightcache._options import LoadOptions
+from weightcache.core.errors import RecipeError
+from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS, Level
+from weightcache.core.recipe import parse_dtype
+
+#: Every key of ``model_loader_extra_config`` the loader reads.
+KEYS = ("socket", "dtype", "fingerprint_level", "fallback", "wait_timeout")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmLoaderConfig:
+    """The parsed ``model_loader_extra_config`` (the module docstring gives each key)."""
+
+    socket: str | None = None
+    dtype: str | None = None
+    fingerprint_level: Level = DEFAULT_LEVEL
+    fallback: bool = True
+    wait_timeout: float = 0.0
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> VllmLoaderConfig:
+        """Read vLLM's ``model_loader_extra_config``.
+
+        Raises:
+            ValueError: ``extra`` is not a dict, a key is not one of :data:`KEYS`, or a
+                value has the wrong type or is out of range (the message names the key).
+        """
+        if extra is None:
+            return cls()
+        if not isinstance(extra, Mapping):
+            raise ValueError(
+                f"model_loader_extra_config must be a dict for load format weightcache, "
+                f"not {type(extra).__name__}"
+            )
+        unknown = sorted(set(extra) - set(KEYS))
+        if unknown:
+            raise ValueError(
+                f"unknown model_loader_extra_config key(s) for load format weightcache: "
+                f"{', '.join(map(repr, unknown))}; known: {', '.join(KEYS)}"
+            )
+        return cls(
+            socket=_optional_str(extra, "socket"),
+            dtype=_dtype(extra),
+            fingerprint_level=_level(extra),
+            fallback=_bool(extra, "fallback", default=True),
+            wait_timeout=_seconds(extra, "wait_timeout"),
+        )
+
+    def load_options(self) -> LoadOptions:
+        """The options of :func:`weightcache.load` for this engine.
+
+        The loader asks without weightcache's own disk fallback (``fallback=False``): a
+        refusal comes back as an exception, and vLLM's default loader reads the disk.
+        Whatever vLLM's ``tensor_parallel_size``, every rank gets the full tensors
+        (placement 0 of 1): vLLM's weight loaders shard checkpoint tensors themselves, and
+        would shard a shard again.
+        """
+        return LoadOptions(
+            socket=self.socket,
+            dtype=self.dtype,
+            fingerprint_level=self.fingerprint_level,
+            fallback=False,
+            wait_timeout=self.wait_timeout,
+        )
+
+
+def _optional_str(extra: Mapping[str, Any], key: str) -> str | None:
+    value = extra.get(key)
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"model_loader_extra_config[{key!r}] must be a non-empty string")
+    return value
+
+
+def _dtype(extra: Mapping[str, Any]) -> str | None:
+    value = _optional_str(extra, "dtype")
+    try:
+        return parse_dtype(value)
+    except RecipeError as err:
+        raise ValueError(f"model_loader_extra_config['dtype']: {err}") from None
+
+
+def _level(extra: Mapping[str, Any]) -> Level:
+    value = extra.get("fingerprint_level", DEFAULT_LEVEL)
+    for level in LEVELS:  # narrows the str to the Literal
+        if value == level:
+            return level
+    raise ValueError(
+        f"model_loader_extra_config['fingerprint_level'] must be one of {LEVELS}, not {value!r}"
+    )
+
+
+def _bool(extra: Mapping[str, Any], key: str, *, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false")
+    return value
+
+
+def _seconds(extra: Mapping[str, Any], key: str) -> float:
+    value = extra.get(key, 0.0)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value >= 0):
+        raise ValueError(f"model_loader_extra_config[{key!r}] must be a number of seconds >= 0")
+    return float(value)

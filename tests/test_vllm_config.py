@@ -1,0 +1,96 @@
+"""The vLLM loader's options (``model_loader_extra_config``): parsed without vLLM, so they
+are checked in every venv; each bad value is a ``ValueError`` naming its key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from weightcache import LoadOptions
+from weightcache.integrations.vllm.config import KEYS, VllmLoaderConfig
+
+
+def test_no_extra_config_is_the_defaults() -> None:
+    empty: dict[str, Any] = {}
+    for extra in (None, empty):
+        config = VllmLoaderConfig.parse(extra)
+        assert config == VllmLoaderConfig(
+            socket=None, dtype=None, fingerprint_level="full", fallback=True, wait_timeout=0.0
+        )
+
+
+def test_every_key_is_read() -> None:
+    extra = {
+        "socket": "/run/weightcache/cpu.sock",
+        "dtype": "bfloat16",
+        "fingerprint_level": "sampled",
+        "fallback": False,
+        "wait_timeout": 5,
+    }
+    assert set(extra) == set(KEYS)
+    config = VllmLoaderConfig.parse(extra)
+    assert config == VllmLoaderConfig(
+        socket="/run/weightcache/cpu.sock",
+        dtype="BF16",
+        fingerprint_level="sampled",
+        fallback=False,
+        wait_timeout=5.0,
+    )
+
+
+def test_the_load_options_never_fall_back_inside_weightcache() -> None:
+    # A refusal must reach the loader as an exception: vLLM's default loader reads the disk.
+    config = VllmLoaderConfig.parse({"socket": "/s/d.sock", "dtype": "F16", "wait_timeout": 2})
+    assert config.load_options() == LoadOptions(
+        socket="/s/d.sock", dtype="F16", fallback=False, wait_timeout=2.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"sock": "/x"},
+            "unknown model_loader_extra_config key(s) for load format weightcache: 'sock'",
+        ),
+        ({"socket": ""}, "model_loader_extra_config['socket'] must be a non-empty string"),
+        ({"socket": 3}, "model_loader_extra_config['socket'] must be a non-empty string"),
+        ({"dtype": "int8"}, "model_loader_extra_config['dtype']: unsupported recipe dtype 'int8'"),
+        (
+            {"fingerprint_level": "fast"},
+            "model_loader_extra_config['fingerprint_level'] must be one of",
+        ),
+        ({"fallback": "yes"}, "model_loader_extra_config['fallback'] must be true or false"),
+        (
+            {"wait_timeout": -1},
+            "model_loader_extra_config['wait_timeout'] must be a number of seconds >= 0",
+        ),
+        ({"wait_timeout": True}, "model_loader_extra_config['wait_timeout'] must be a number"),
+        (
+            {"wait_timeout": float("nan")},
+            "model_loader_extra_config['wait_timeout'] must be a number",
+        ),
+    ],
+)
+def test_a_bad_value_names_its_key(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        VllmLoaderConfig.parse(extra)
+    assert str(info.value).startswith(message)
+
+
+def test_a_config_that_is_not_a_dict_is_refused() -> None:
+    with pytest.raises(ValueError) as info:
+        VllmLoaderConfig.parse(["socket"])  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "model_loader_extra_config must be a dict for load format weightcache, not list"
+    )
+
+
+def test_the_entry_point_names_the_register_function() -> None:
+    from importlib import metadata
+
+    points = [
+        p for p in metadata.entry_points(group="vllm.general_plugins") if p.name == "weightcache"
+    ]
+    assert [p.value for p in points] == ["weightcache.integrations.vllm:register"]

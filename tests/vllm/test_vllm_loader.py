@@ -1,0 +1,185 @@
+"""vLLM's load format ``weightcache`` against vLLM's own default loader, on CPU.
+
+Each engine runs in a process of its own (``weightcache.testing.vllm_engine``), attached
+to a real daemon on a real socket. The outputs of an engine loaded through the daemon must
+be bitwise those of an engine loaded by vLLM's default loader (``load_format="auto"``):
+MiniLM's embeddings, and a tiny random Llama's greedy tokens. When the daemon cannot
+serve, the engine loads from disk with the default loader, logs the reason code, and its
+outputs are the same again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.vllm.support import (
+    ENGINE_TIMEOUT,
+    EngineRun,
+    cast_copy,
+    make_tiny_llama,
+    minilm_dir,
+    run_engine,
+    run_engine_failing,
+)
+from weightcache.testing import DaemonPool
+from weightcache.testing.daemon import child_env, list_models
+
+# Each engine takes tens of seconds on a small shared CPU, most of it importing vLLM.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+WEIGHTCACHE = "weightcache"
+#: Registers through vLLM's plugin loader, then again by hand; prints what vLLM's
+#: registry logged (each message once) and the loader class it returns.
+REGISTER_TWICE = """
+import logging
+records = []
+handler = logging.Handler()
+handler.emit = lambda record: records.append(record.getMessage())
+logging.getLogger("vllm.model_executor.model_loader").addHandler(handler)
+logging.getLogger("vllm.model_executor.model_loader").setLevel(logging.DEBUG)
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from weightcache.integrations.vllm import register
+register()
+register()
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import get_model_loader
+loader = get_model_loader(LoadConfig(load_format="weightcache"))
+print("LOADER", type(loader).__module__, type(loader).__name__)
+for message in records:
+    print("LOGGED", message)
+"""
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def minilm_default(tmp_path_factory: pytest.TempPathFactory) -> EngineRun:
+    """MiniLM's embeddings from vLLM's default loader: the reference."""
+    out = tmp_path_factory.mktemp("minilm-default") / "out.pt"
+    return run_engine(minilm_dir(), "embed", "auto", out)
+
+
+@pytest.fixture(scope="module")
+def llama_default(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineRun:
+    """The tiny Llama's greedy tokens from vLLM's default loader: the reference."""
+    out = tmp_path_factory.mktemp("llama-default") / "out.pt"
+    return run_engine(llama, "generate", "auto", out)
+
+
+def test_the_plugin_registers_the_load_format_once() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", REGISTER_TWICE],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("LOADER", "LOGGED"))]
+    assert lines == [
+        "LOADER weightcache.integrations.vllm.loader WeightcacheModelLoader",
+        "LOGGED Registered model loader `<class "
+        "'weightcache.integrations.vllm.loader.WeightcacheModelLoader'>` "
+        "with load format `weightcache`",
+    ]
+
+
+def assert_no_leases(socket: str) -> None:
+    """The engine released its lease once its weights were loaded."""
+    models = list_models(socket)
+    assert [m.lease_count for m in models] == [0] * len(models)
+
+
+def test_minilm_embeddings_from_the_daemon_equal_the_default_loaders(
+    daemons: DaemonPool, minilm_default: EngineRun, tmp_path: Path
+) -> None:
+    daemon = daemons.start([minilm_dir()])
+    extra = {"socket": daemon.socket}
+    run = run_engine(minilm_dir(), "embed", WEIGHTCACHE, tmp_path / "out.pt", extra)
+
+    assert run.attached(), run.log[-4000:]
+    assert run.fallback_reasons() == []
+    got: torch.Tensor = run.result["embeddings"]
+    want: torch.Tensor = minilm_default.result["embeddings"]
+    assert got.shape == want.shape == (5, 384)
+    assert torch.equal(got, want)
+    assert_no_leases(daemon.socket)
+
+
+def test_llama_generates_the_default_loaders_tokens_from_the_daemon(
+    daemons: DaemonPool, llama: Path, llama_default: EngineRun, tmp_path: Path
+) -> None:
+    daemon = daemons.start([llama])
+    extra = {"socket": daemon.socket, "fingerprint_level": "full"}
+    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "out.pt", extra)
+
+    assert run.attached(), run.log[-4000:]
+    assert run.fallback_reasons() == []
+    tokens: list[list[int]] = run.result["token_ids"]
+    assert [len(t) for t in tokens] == [12, 12]
+    assert len({*tokens[0], *tokens[1]}) > 2  # a model that repeats one token proves little
+    assert tokens == llama_default.result["token_ids"]
+    assert_no_leases(daemon.socket)
+
+
+def test_a_daemons_cast_is_attached_as_the_default_loader_reads_a_cast_checkpoint(
+    daemons: DaemonPool, llama: Path, tmp_path: Path
+) -> None:
+    # The daemon holds a BF16 cast; the engine (float32) asks for it with "dtype", and
+    # must generate what the default loader generates from the same cast written to disk.
+    daemon = daemons.start([llama], dtype="BF16")
+    extra = {"socket": daemon.socket, "dtype": "BF16"}
+    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "cache.pt", extra)
+    bf16 = cast_copy(llama, tmp_path / "tiny-llama-bf16", torch.bfloat16)
+    want = run_engine(bf16, "generate", "auto", tmp_path / "disk.pt")
+
+    assert run.attached(), run.log[-4000:]
+    assert run.result["token_ids"] == want.result["token_ids"]
+    assert_no_leases(daemon.socket)
+
+
+def test_without_a_daemon_the_default_loader_loads_and_the_reason_is_logged(
+    daemons: DaemonPool, llama: Path, llama_default: EngineRun, tmp_path: Path
+) -> None:
+    extra = {"socket": daemons.socket("absent")}  # no daemon was started there
+    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "out.pt", extra)
+
+    assert run.fallback_reasons() == ["DAEMON_UNAVAILABLE"], run.log[-4000:]
+    assert not run.attached()
+    assert run.result["token_ids"] == llama_default.result["token_ids"]
+
+
+def test_a_fingerprint_mismatch_falls_back_to_the_default_loader(
+    daemons: DaemonPool, llama: Path, llama_default: EngineRun, tmp_path: Path
+) -> None:
+    # The daemon holds the model cast to BF16; the engine asks for the checkpoint's bytes.
+    daemon = daemons.start([llama], dtype="BF16")
+    extra: dict[str, Any] = {"socket": daemon.socket}
+    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "out.pt", extra)
+
+    assert run.fallback_reasons() == ["FINGERPRINT_MISMATCH"], run.log[-4000:]
+    assert run.result["token_ids"] == llama_default.result["token_ids"]
+    assert_no_leases(daemon.socket)
+
+
+def test_without_fallback_the_engine_fails_with_the_reason(
+    daemons: DaemonPool, tmp_path: Path
+) -> None:
+    socket = daemons.socket("absent")
+    extra = {"socket": socket, "fallback": False}
+    rc, log = run_engine_failing(minilm_dir(), "embed", WEIGHTCACHE, tmp_path / "out.pt", extra)
+
+    assert rc != 0
+    assert f"DaemonUnavailableError: no daemon socket at {socket}" in log, log[-4000:]
+    assert not (tmp_path / "out.pt").exists()
