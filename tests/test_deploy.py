@@ -17,9 +17,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from weightcache.core.rpc import LIVENESS, READINESS
 from weightcache_service.budget import parse_size
 from weightcache_service.cli import _parser
-from weightcache_service.health import LIVENESS, READINESS
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 KUBE = DEPLOY / "kubernetes"

@@ -71,7 +71,10 @@ def test_ready_watchdog_and_stopping(
     )
 
     listener.wait_for("READY=1")
+    # While the start-up preload ran, the start timeout was extended (large checkpoints).
     [ready] = [m for m in listener.messages if "READY=1" in m.split("\n")]
+    before = listener.messages[: listener.messages.index(ready)]
+    assert "EXTEND_TIMEOUT_USEC=60000000" in before
     assert ready.split("\n") == ["READY=1", "STATUS=serving 1 model(s)", f"MAINPID={daemon.pid}"]
     listener.messages.clear()
     listener.wait_for("WATCHDOG=1", timeout=5)  # pings go on after READY
@@ -90,7 +93,9 @@ def test_no_ready_while_a_required_model_failed(
     daemons.start([checkpoints.single, bad], env={"NOTIFY_SOCKET": path})  # start-up ended
 
     time.sleep(1.0)  # readiness is re-evaluated every 0.2 s: give it a few turns
-    assert [m for m in listener.drain() if "READY=1" in m.split("\n")] == []
+    messages = listener.drain()
+    assert "EXTEND_TIMEOUT_USEC=60000000" in messages  # the daemon did notify...
+    assert [m for m in messages if "READY=1" in m.split("\n")] == []  # ...but never READY
 
 
 def test_without_notify_socket_nothing_is_sent(

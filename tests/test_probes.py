@@ -216,11 +216,16 @@ def test_a_busy_or_malformed_listen_address_stops_the_start(daemons: DaemonPool,
         socket = daemons.socket("busy")
         taken = run_cli("preload", "--socket", socket, flag, f"127.0.0.1:{port}")
     malformed = run_cli("preload", "--socket", socket, flag, "nowhere")
+    too_high = run_cli("preload", "--socket", socket, flag, "127.0.0.1:70000")
 
     assert (taken.returncode, taken.stdout) == (1, "")
     assert f"weightcache preload: {flag} 127.0.0.1:{port}: cannot bind: " in taken.stderr
     assert (malformed.returncode, malformed.stdout) == (1, "")
     assert malformed.stderr.endswith(f"weightcache preload: {flag} 'nowhere': use HOST:PORT\n")
+    assert (too_high.returncode, too_high.stdout) == (1, "")
+    assert too_high.stderr.endswith(
+        f"weightcache preload: {flag} '127.0.0.1:70000': the port is above 65535\n"
+    )
     assert not os.path.exists(socket)
     assert not os.path.exists(socket + ".lock")
 

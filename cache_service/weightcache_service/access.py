@@ -151,15 +151,21 @@ def _not_member(gid: int) -> str:
     )
 
 
-def parse_listen(address: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6).
+#: The largest TCP port number (RFC 793: 16 bits).
+MAX_PORT = 65535
+
+
+def parse_listen(address: str, flag: str = "--listen") -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6), given with the option ``flag``.
 
     Raises:
-        AccessError: not of that form.
+        AccessError: not of that form, or the port is above 65535.
     """
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
-        raise AccessError(f"--listen {address!r}: use HOST:PORT")
+        raise AccessError(f"{flag} {address!r}: use HOST:PORT")
+    if int(port) > MAX_PORT:
+        raise AccessError(f"{flag} {address!r}: the port is above {MAX_PORT}")
     return host.strip("[]"), int(port)
 
 

@@ -47,7 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightcache.core.errors import RecipeError, WeightCacheError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS
-from weightcache.core.rpc import call, connect, target
+from weightcache.core.rpc import LIVENESS, READINESS, call, connect, target
 from weightcache.core.sockets import default_socket
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -60,10 +60,6 @@ if TYPE_CHECKING:
     from weightcache_service.backend import Device
     from weightcache_service.server import TcpListener
 
-#: Health services (weightcache_service.health; repeated here so that `health` imports no
-#: daemon module).
-LIVENESS = "liveness"
-READINESS = "readiness"
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 DEVICE_HELP = (

@@ -25,14 +25,12 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 
-from weightcache.core.rpc import SERVICE_NAME
+from weightcache.core.rpc import LIVENESS, READINESS, SERVICE_NAME
 from weightcache_service.access import AccessError, parse_listen
 from weightcache_service.store import Store
 
 log = structlog.get_logger("weightcache.daemon")
 
-LIVENESS = "liveness"
-READINESS = "readiness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 #: Seconds between re-evaluations of readiness (a required model evicted, a drain).
@@ -59,6 +57,12 @@ class Health:
         self._started = False
         self._draining = False
         self._ready: bool | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def preloads_ended(self) -> bool:
+        """Whether every start-up preload has ended (successfully or not)."""
+        return self._started
 
     @property
     def ready(self) -> bool:
@@ -97,7 +101,8 @@ class Health:
 
     async def evaluate(self) -> None:
         """Recompute readiness from the required models' states."""
-        await self._set_ready(self._is_ready())
+        async with self._lock:
+            await self._apply(self._is_ready())
 
     def _is_ready(self) -> bool:
         if not self._started or self._draining or self._refused:
@@ -106,6 +111,12 @@ class Health:
         return all(states.get(name) == "ready" for name in self._required)
 
     async def _set_ready(self, ready: bool) -> None:
+        async with self._lock:
+            await self._apply(ready)
+
+    async def _apply(self, ready: bool) -> None:
+        # Under _lock: servicer.set() may yield (a Watch stream holds its condition), and
+        # a drain's NOT_SERVING must not be overtaken by an evaluation computed before it.
         if ready == self._ready:
             return
         self._ready = ready
@@ -143,12 +154,10 @@ class HealthListener:
         """Bind and start serving ``health``; returns the port bound.
 
         Raises:
-            AccessError: ``address`` is not ``HOST:PORT``, or cannot be bound.
+            AccessError: ``address`` is not ``HOST:PORT``, its port is above 65535, or it
+                cannot be bound.
         """
-        try:
-            parse_listen(self.address)
-        except AccessError:
-            raise AccessError(f"--health-listen {self.address!r}: use HOST:PORT") from None
+        parse_listen(self.address, "--health-listen")
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
         try:

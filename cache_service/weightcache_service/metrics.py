@@ -206,12 +206,10 @@ class MetricsListener:
         """Bind and serve; returns the port bound.
 
         Raises:
-            AccessError: ``address`` is not ``HOST:PORT``, or cannot be bound.
+            AccessError: ``address`` is not ``HOST:PORT``, its port is above 65535, or it
+                cannot be bound.
         """
-        try:
-            host, port = parse_listen(self.address)
-        except AccessError:
-            raise AccessError(f"--metrics-listen {self.address!r}: use HOST:PORT") from None
+        host, port = parse_listen(self.address, "--metrics-listen")
         try:
             self._server, self._thread = start_http_server(port, host, registry=metrics.registry)
         except OSError as exc:

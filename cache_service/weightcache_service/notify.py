@@ -6,7 +6,9 @@ It is a few lines, so it is written here rather than pulled in as a C binding. W
 ``$NOTIFY_SOCKET`` (not under systemd) every call does nothing.
 
 The daemon sends ``READY=1`` once its required models are READY (the readiness health
-service turns SERVING), ``STOPPING=1`` when a drain begins, and, when systemd set
+service turns SERVING), ``EXTEND_TIMEOUT_USEC=`` while start-up preloads run (a large
+checkpoint may take longer than ``TimeoutStartSec=``), ``STOPPING=1`` when a drain
+begins, and, when systemd set
 ``WatchdogSec=`` (``$WATCHDOG_USEC``), ``WATCHDOG=1`` every half period from the event
 loop, so that a loop that stops answering gets the daemon restarted.
 """

@@ -47,6 +47,9 @@ from weightcache_service.store import Store
 log = structlog.get_logger("weightcache.daemon")
 
 REAP_INTERVAL = 0.2
+#: Seconds each ``EXTEND_TIMEOUT_USEC`` gives systemd's start timeout while start-up
+#: preloads run; sent every third of it.
+START_EXTENSION = 60.0
 #: Largest request accepted: requests carry ids, paths and a fingerprint, never data.
 MAX_REQUEST_BYTES = 4 * 2**20
 
@@ -289,6 +292,14 @@ class Daemon:
         models = sum(1 for e in self.store.entries() if e.state == "ready")
         self.notifier.send("READY=1", f"STATUS=serving {models} model(s)", f"MAINPID={os.getpid()}")
 
+    async def _extend_start(self) -> None:
+        # Loading a large checkpoint may outlast TimeoutStartSec=: while start-up preloads
+        # run, ask systemd for more time (sd_notify(3), EXTEND_TIMEOUT_USEC). Once they have
+        # ended without READY (a required model failed), the unit's own timeout applies.
+        while not self.health.preloads_ended:
+            self.notifier.send(f"EXTEND_TIMEOUT_USEC={int(START_EXTENSION * 1e6)}")
+            await asyncio.sleep(START_EXTENSION / 3)
+
     async def _watchdog_forever(self, interval: float) -> None:
         # Sent from the event loop: a loop that stops turning stops the pings.
         while True:
@@ -303,6 +314,8 @@ class Daemon:
         ]
         if (interval := self.notifier.watchdog_interval) is not None:
             tasks.append(asyncio.create_task(self._watchdog_forever(interval)))
+        if self.notifier.address is not None:
+            tasks.append(asyncio.create_task(self._extend_start()))
         try:
             await self._stop.wait()
             await self._drain()

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -176,14 +178,20 @@ def _engine(
     command = [sys.executable, "-m", "weightcache.testing.vllm_engine", str(model)]
     command += ["--task", task, "--load-format", load_format, "--out", str(out)]
     command += ["--extra", json.dumps(extra)]
-    try:
-        return subprocess.run(
-            command,
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=ENGINE_TIMEOUT,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise EngineError(f"engine ran over {ENGINE_TIMEOUT:.0f} s") from exc
+    # Its own process group: vLLM may start helper processes of its own, and a timeout
+    # must end them all, not just the engine's first process.
+    with subprocess.Popen(
+        command,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=ENGINE_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            raise EngineError(f"engine ran over {ENGINE_TIMEOUT:.0f} s") from exc
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)

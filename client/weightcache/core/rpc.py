@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from collections.abc import Callable
@@ -15,12 +16,18 @@ from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
 # grpc imports its channel module on a process's first insecure_channel (about 4 ms here,
 # bench/README.md): imported with the SDK instead, a worker's first load() does not pay it.
-importlib.import_module("grpc._channel")
+with contextlib.suppress(ImportError):  # a private module: a later grpcio may move it
+    importlib.import_module("grpc._channel")
 
 T = TypeVar("T")
 #: The service's full name: what a daemon's gRPC health service reports SERVING once its
 #: start-up preloads have ended (grpc.health.v1).
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WeightCacheService"].full_name
+#: The daemon's liveness health service: SERVING from bind to shutdown (grpc.health.v1).
+LIVENESS = "liveness"
+#: The daemon's readiness health service (also ``""``): SERVING once every required
+#: start-up model is READY, and not while draining.
+READINESS = "readiness"
 #: Largest response, in bytes, the daemon sends and the SDK accepts: an AcquireResponse of
 #: a model with very many tensors.
 MAX_RESPONSE_BYTES = 256 * 2**20
