@@ -7,7 +7,8 @@
 //   3. Acquire (retrying while the model loads)    (below)
 //   4. keep the lease alive on a KeepAlive stream  (keepalive.cc)
 //   5. map the arena read-only                     (segment.cc)
-//   6. check each TensorView and read its bytes    (tensors.cc)
+//   6. check each tensor's view and read its bytes (tensors.cc: TensorView messages or the
+//      TensorTable's columns, both read into the same View)
 //   7. Release; close the stream
 //
 // Prints one JSON object on stdout: the result, or {"error": {...}} with the gRPC code and
@@ -17,6 +18,8 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <grpcpp/client_context.h>
 #include <nlohmann/json.hpp>
@@ -58,6 +61,7 @@ bool is_loading(const grpc::Status& status) {
 v1::AcquireResponse acquire(Stub& stub, v1::AcquireRequest& request, const Args& args) {
   request.set_request_id(request_id());
   request.set_pid(static_cast<int>(getpid()));
+  if (args.tensor_table) request.set_tensor_format(v1::TENSOR_FORMAT_TABLE);
   if (args.ttl_s > 0) {
     auto whole = static_cast<std::int64_t>(args.ttl_s);
     request.mutable_ttl()->set_seconds(whole);
@@ -99,11 +103,12 @@ void hold(const LeaseKeeper& keeper, double seconds) {
 }
 
 // The views to read: all, or those named (every name must exist).
-std::vector<const v1::TensorView*> select(const v1::AcquireResponse& response, const Args& args) {
+std::vector<View> select(std::vector<View> all, const Args& args) {
+  if (args.tensors.empty()) return all;
   std::set<std::string> wanted(args.tensors.begin(), args.tensors.end());
-  std::vector<const v1::TensorView*> views;
-  for (const auto& view : response.tensors()) {
-    if (args.tensors.empty() || wanted.erase(view.name()) > 0) views.push_back(&view);
+  std::vector<View> views;
+  for (auto& view : all) {
+    if (wanted.erase(view.name) > 0) views.push_back(std::move(view));
   }
   if (!wanted.empty()) {
     fail(kTensorNotFound, "TENSOR_NOT_FOUND", "no tensor '" + *wanted.begin() + "' in the model");
@@ -112,24 +117,22 @@ std::vector<const v1::TensorView*> select(const v1::AcquireResponse& response, c
 }
 
 // Step 6. An engine builds its tensors here, over segment.data() + byte_offset.
-json read_tensors(const std::vector<const v1::TensorView*>& views, const Segment& segment) {
+json read_tensors(const std::vector<View>& views, const Segment& segment) {
   json tensors = json::array();
-  for (const auto* view : views) {
-    check_view(*view, segment.size());
-    auto nbytes = view_nbytes(*view);
-    std::vector<std::int64_t> shape(view->shape().begin(), view->shape().end());
-    tensors.push_back({{"name", view->name()},
-                       {"dtype", view->dtype()},
-                       {"shape", shape},
-                       {"nbytes", nbytes},
-                       {"sha256", sha256_hex(segment.data() + view->byte_offset(),
-                                             static_cast<size_t>(nbytes))}});
+  for (const auto& view : views) {
+    check_view(view, segment.size());  // before any byte of it is read
+    tensors.push_back({{"name", view.name},
+                       {"dtype", view.dtype},
+                       {"shape", view.shape},
+                       {"nbytes", view.nbytes},
+                       {"sha256", sha256_hex(segment.data() + view.byte_offset,
+                                             static_cast<size_t>(view.nbytes))}});
   }
   return tensors;
 }
 
 json attach(const Args& args) {
-  uid_t owner = check_socket(args.socket);
+  uid_t owner = check_socket(args.socket, trusted_uids(args.trusted_uids));
   auto stub = v1::WeightCacheService::NewStub(connect(args.socket));
   v1::AcquireRequest request;
   std::string match = fill_identity(args, *stub, &request);
@@ -142,7 +145,7 @@ json attach(const Args& args) {
     check_grant(request, response.model());
     Segment segment = Segment::open(response.storage(), owner);
     hold(keeper, args.hold_s);
-    json tensors = read_tensors(select(response, args), segment);
+    json tensors = read_tensors(select(views_of(response), args), segment);
     check_lease(keeper);  // bytes read after the lease was lost may be anything
     result = json{{"model", response.model().name()},
                   {"fingerprint", response.model().fingerprint().digest()},
@@ -193,7 +196,8 @@ void print(const json& value) {
 int main(int argc, char** argv) {
   using namespace wcw;
   try {
-    print(attach(parse_args(argc, argv)));
+    Args args = parse_args(argc, argv);
+    print(args.print_dtype_sizes ? json(dtype_sizes()) : attach(args));
     return kOk;
   } catch (const WorkerError& e) {
     const Failure& failure = e.failure();
