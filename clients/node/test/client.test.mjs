@@ -21,6 +21,9 @@ const PYTHON = process.env.WEIGHTCACHE_PYTHON ?? path.resolve(HERE, '../../../.v
 // and check for leftovers once its stdin closes (run_daemon waits 45 s after SIGTERM).
 const START_TIMEOUT = 180;
 const STOP_TIMEOUT = 60;
+// Each test's calls carry no deadline: a daemon that accepts but never answers would hold
+// a test, and after() with it, forever.
+const EACH = { timeout: 60_000 };
 const LATE = Symbol('late');
 
 let daemon; // the launcher process, leader of its own process group
@@ -106,7 +109,7 @@ function assertBitwiseEqual(attachment, expected) {
   }
 }
 
-test("the dtype table is the Python SDK's: the same names, the same element sizes", () => {
+test("the dtype table is the Python SDK's: the same names, the same element sizes", EACH, () => {
   const sizes = Object.fromEntries(Object.entries(DTYPES).map(([name, [itemsize]]) => [name, itemsize]));
   assert.deepEqual(sizes, info.dtypes);
   for (const [name, [itemsize, Typed, lanes]] of Object.entries(DTYPES)) {
@@ -114,7 +117,7 @@ test("the dtype table is the Python SDK's: the same names, the same element size
   }
 });
 
-test('attaches by its own fingerprint (table format): every tensor bitwise', async () => {
+test('attaches by its own fingerprint (table format): every tensor bitwise', EACH, async () => {
   const folder = info.checkpoints.single;
   const attachment = await client.acquire({
     fingerprint: computeFingerprint(folder),
@@ -132,7 +135,7 @@ test('attaches by its own fingerprint (table format): every tensor bitwise', asy
   }
 });
 
-test('attaches a sharded checkpoint with one view message per tensor', async () => {
+test('attaches a sharded checkpoint with one view message per tensor', EACH, async () => {
   const folder = info.checkpoints.sharded;
   const attachment = await client.acquire({
     fingerprint: computeFingerprint(folder),
@@ -147,7 +150,7 @@ test('attaches a sharded checkpoint with one view message per tensor', async () 
   }
 });
 
-test('attaches trusting the daemon identity: every dtype bitwise', async () => {
+test('attaches trusting the daemon identity: every dtype bitwise', EACH, async () => {
   const attachment = await client.acquireByName('alltypes');
   try {
     assert.equal(attachment.model.fingerprint.digest, computeFingerprint(info.checkpoints.alltypes).digest);
@@ -158,7 +161,7 @@ test('attaches trusting the daemon identity: every dtype bitwise', async () => {
   }
 });
 
-test('a fingerprint of another recipe is refused with FINGERPRINT_MISMATCH', async () => {
+test('a fingerprint of another recipe is refused with FINGERPRINT_MISMATCH', EACH, async () => {
   const folder = info.checkpoints.single;
   const fingerprint = computeFingerprint(folder, { recipe: { dtype: 'F16' } });
 
@@ -172,7 +175,7 @@ test('a fingerprint of another recipe is refused with FINGERPRINT_MISMATCH', asy
   assert.equal(err.metadata.components, 'recipe');
 });
 
-test('a fingerprint nothing resembles is refused with MODEL_NOT_FOUND', async () => {
+test('a fingerprint nothing resembles is refused with MODEL_NOT_FOUND', EACH, async () => {
   const fingerprint = { digest: 'a'.repeat(64), level: 'full', components: [] };
 
   const err = await client.acquire({ fingerprint, checkpointPath: '/nowhere' }).catch((e) => e);
@@ -184,7 +187,7 @@ test('a fingerprint nothing resembles is refused with MODEL_NOT_FOUND', async ()
   assert.equal(byName.metadata.model, 'no-such-model');
 });
 
-test('a malformed request is refused with INVALID_ARGUMENT naming the field', async () => {
+test('a malformed request is refused with INVALID_ARGUMENT naming the field', EACH, async () => {
   const err = await client.acquire({ fingerprint: { digest: 'XYZ', level: 'full' } }).catch((e) => e);
 
   assert.equal(err.reason, 'INVALID_ARGUMENT');
@@ -192,7 +195,7 @@ test('a malformed request is refused with INVALID_ARGUMENT naming the field', as
   assert.equal(err.metadata.field, 'fingerprint.digest');
 });
 
-test('KeepAlive renews a lease past its TTL, and Release ends it', async () => {
+test('KeepAlive renews a lease past its TTL, and Release ends it', EACH, async () => {
   const attachment = await client.acquireByName('single', { ttl: 1 });
   const renewals = [];
   attachment.on('renewed', (expireTime) => renewals.push(expireTime));
@@ -212,7 +215,7 @@ test('KeepAlive renews a lease past its TTL, and Release ends it', async () => {
   assert.equal(lost, null);
 });
 
-test('a lease the daemon no longer knows is reported lost', async () => {
+test('a lease the daemon no longer knows is reported lost', EACH, async () => {
   const attachment = await client.acquireByName('single', { ttl: 1 });
   const lostEvent = once(client, 'leaseLost');
   // Another client ends the lease behind this one's back.
