@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup protos check-protos released-contract lint test test-node demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm
+.PHONY: setup protos check-protos released-contract lint test test-node node-deps demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -64,18 +64,50 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # The Node reference client (clients/node): its npm packages once, from the committed
-# lock file (Node and npm from the distribution when the machine has none), then its tests
-# against a real daemon that clients/node/test/daemon.py starts with this venv's Python.
+# lock file, then its tests against a real daemon that clients/node/test/daemon.py starts
+# with this venv's Python. node-deps checks for Node.js >= NODE_MIN (package.json
+# "engines") and npm; what is missing it installs from the distribution (apt-get, as root
+# or through sudo) only when the distribution's nodejs is recent enough: Debian bookworm's
+# is 18, and there it says what to install instead.
 NODE_DIR   := clients/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
-$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
-	command -v node >/dev/null && command -v npm >/dev/null \
-		|| { apt-get update -q && apt-get install -y -q nodejs npm; }
+NODE_MIN   := 20
+NODE_NEED  := Node.js >= $(NODE_MIN) with npm (the engines field of clients/node/package.json): Debian \
+	trixie or later packages it as nodejs and npm; on bookworm (nodejs 18) install an \
+	official Node.js $(NODE_MIN)+ build (nodejs.org, NodeSource or nvm), then run make again
+
+node-deps:
+	@sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+	apt_major() { apt-cache policy "$$1" 2>/dev/null | sed -n 's/^ *Candidate: *//p' \
+		| sed 's/^[0-9]*://; s/[^0-9].*//'; }; \
+	if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+		if ! command -v apt-get >/dev/null; then \
+			echo "node-deps: no node or npm here; install $(NODE_NEED)" >&2; exit 1; fi; \
+		$$sudo apt-get update -qq || exit 1; \
+		if command -v node >/dev/null; then pkgs=npm; else pkgs="nodejs npm"; \
+			if [ "$$(apt_major nodejs)" -ge $(NODE_MIN) ] 2>/dev/null; then :; else \
+				echo "node-deps: no node here, and this distribution's nodejs is" \
+					"$$(apt-cache policy nodejs | sed -n 's/^ *Candidate: *//p') (major" \
+					"$$(apt_major nodejs)); install $(NODE_NEED)" >&2; exit 1; fi; fi; \
+		echo "node-deps: installing $$pkgs"; \
+		DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends \
+			$$pkgs || exit 1; fi; \
+	if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+		echo "node-deps: still no node or npm on PATH; install $(NODE_NEED)" >&2; exit 1; fi; \
+	major=$$(node -p 'process.versions.node.split(".")[0]'); \
+	if ! [ "$$major" -ge $(NODE_MIN) ] 2>/dev/null; then \
+		echo "node-deps: $$(command -v node) is Node.js $$(node --version); install $(NODE_NEED)" >&2; \
+		exit 1; fi
+
+# node-deps order-only: checked on every run, without forcing npm ci again.
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json | node-deps
 	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
 	touch $(NODE_STAMP)
 
-test-node: $(STAMP) $(NODE_STAMP)
-	cd $(NODE_DIR) && WEIGHTCACHE_PYTHON=$(abspath $(PY)) node --test test/
+# test/*.test.mjs expanded by the shell: Node 21+ reads --test arguments as glob
+# patterns and fails on a directory (MODULE_NOT_FOUND); explicit files work on 20 and 22+.
+test-node: $(STAMP) node-deps $(NODE_STAMP)
+	cd $(NODE_DIR) && WEIGHTCACHE_PYTHON=$(abspath $(PY)) node --test test/*.test.mjs
 
 test: $(STAMP) cpp check-protos lint test-node
 	$(PY) -m pytest

@@ -16,23 +16,82 @@ import { DTYPES, WeightCacheClient, WeightCacheError, computeFingerprint } from 
 const HERE = path.dirname(fileURLToPath(import.meta.url));
 const PYTHON = process.env.WEIGHTCACHE_PYTHON ?? path.resolve(HERE, '../../../.venv/bin/python');
 
-let daemon; // the launcher process
-let info; // what it printed: socket, checkpoints, tensors
+// Seconds the launcher may take to print its line (torch import, checkpoints, the daemon's
+// preload: run_daemon alone allows the daemon 150 s to be ready), then to stop the daemon
+// and check for leftovers once its stdin closes (run_daemon waits 45 s after SIGTERM).
+const START_TIMEOUT = 180;
+const STOP_TIMEOUT = 60;
+// Each test's calls carry no deadline: a daemon that accepts but never answers would hold
+// a test, and after() with it, forever.
+const EACH = { timeout: 60_000 };
+const LATE = Symbol('late');
+
+let daemon; // the launcher process, leader of its own process group
+let stderr = ''; // everything it wrote there, for the failure messages
+let info; // what it printed: socket, checkpoints, tensors, dtypes
 let client;
 
+const ended = () => daemon.exitCode !== null || daemon.signalCode !== null;
+
+// `promise`'s value, or LATE once `seconds` have passed.
+async function within(promise, seconds) {
+  const abort = new AbortController();
+  try {
+    return await Promise.race([promise, sleep(seconds * 1000, LATE, { signal: abort.signal })]);
+  } finally {
+    abort.abort();
+  }
+}
+
+// SIGKILL to the launcher's whole group: the daemon it started too.
+async function killGroup() {
+  const exited = once(daemon, 'exit');
+  try {
+    process.kill(-daemon.pid, 'SIGKILL');
+  } catch (err) {
+    if (err.code !== 'ESRCH') throw err;
+  }
+  if (!ended()) await exited;
+}
+
 before(async () => {
-  daemon = spawn(PYTHON, [path.join(HERE, 'daemon.py')], { stdio: ['pipe', 'pipe', 'inherit'] });
-  const [line] = await once(createInterface({ input: daemon.stdout }), 'line');
-  info = JSON.parse(line);
+  // detached: a process group of its own, for killGroup. Its stdin is a pipe: should this
+  // process die, the launcher reads EOF and stops the daemon as after() would.
+  daemon = spawn(PYTHON, [path.join(HERE, 'daemon.py')], { stdio: 'pipe', detached: true });
+  daemon.stderr.setEncoding('utf8').on('data', (chunk) => {
+    stderr += chunk;
+  });
+  daemon.stdin.on('error', () => {}); // EPIPE once it has exited: its status tells why
+  const line = once(createInterface({ input: daemon.stdout }), 'line').then(([text]) => text);
+  const exit = once(daemon, 'exit').then(([code, signal]) => ({ code, signal }));
+  const got = await within(Promise.race([line, exit]), START_TIMEOUT);
+  if (typeof got !== 'string') {
+    let why = `exited (status ${got.code}, signal ${got.signal}) before printing its line`;
+    if (got === LATE) {
+      why = `printed nothing in ${START_TIMEOUT} s`;
+      // SIGINT first: the launcher's KeyboardInterrupt stops the daemon and removes its
+      // files; SIGKILL to the group if that does not end it.
+      const exited = once(daemon, 'exit');
+      daemon.kill('SIGINT');
+      if ((await within(exited, STOP_TIMEOUT)) === LATE) await killGroup();
+    }
+    throw new Error(`daemon.py ${why}; its stderr:\n${stderr}`);
+  }
+  info = JSON.parse(got);
   client = new WeightCacheClient({ socket: info.socket });
 });
 
 after(async () => {
   client?.close();
-  const exited = once(daemon, 'exit');
+  if (info === undefined) return; // before() failed, said why and left no process
+  const exited = once(daemon, 'exit').then(([code]) => code);
   daemon.stdin.end(); // the launcher stops the daemon and checks for leftovers
-  const [code] = await exited;
-  assert.equal(code, 0, 'the daemon stopped cleanly and left no socket or segment');
+  const code = ended() ? daemon.exitCode : await within(exited, STOP_TIMEOUT);
+  if (code === LATE) {
+    await killGroup();
+    assert.fail(`daemon.py did not stop in ${STOP_TIMEOUT} s after its stdin closed; its stderr:\n${stderr}`);
+  }
+  assert.equal(code, 0, `the daemon stopped cleanly and left no socket or segment; stderr:\n${stderr}`);
 });
 
 const sha256 = (bytes) => createHash('sha256').update(bytes).digest('hex');
@@ -50,7 +109,15 @@ function assertBitwiseEqual(attachment, expected) {
   }
 }
 
-test('attaches by its own fingerprint (table format): every tensor bitwise', async () => {
+test("the dtype table is the Python SDK's: the same names, the same element sizes", EACH, () => {
+  const sizes = Object.fromEntries(Object.entries(DTYPES).map(([name, [itemsize]]) => [name, itemsize]));
+  assert.deepEqual(sizes, info.dtypes);
+  for (const [name, [itemsize, Typed, lanes]] of Object.entries(DTYPES)) {
+    assert.equal(Typed.BYTES_PER_ELEMENT * lanes, itemsize, name);
+  }
+});
+
+test('attaches by its own fingerprint (table format): every tensor bitwise', EACH, async () => {
   const folder = info.checkpoints.single;
   const attachment = await client.acquire({
     fingerprint: computeFingerprint(folder),
@@ -68,7 +135,7 @@ test('attaches by its own fingerprint (table format): every tensor bitwise', asy
   }
 });
 
-test('attaches a sharded checkpoint with one view message per tensor', async () => {
+test('attaches a sharded checkpoint with one view message per tensor', EACH, async () => {
   const folder = info.checkpoints.sharded;
   const attachment = await client.acquire({
     fingerprint: computeFingerprint(folder),
@@ -83,7 +150,7 @@ test('attaches a sharded checkpoint with one view message per tensor', async () 
   }
 });
 
-test('attaches trusting the daemon identity: every dtype bitwise', async () => {
+test('attaches trusting the daemon identity: every dtype bitwise', EACH, async () => {
   const attachment = await client.acquireByName('alltypes');
   try {
     assert.equal(attachment.model.fingerprint.digest, computeFingerprint(info.checkpoints.alltypes).digest);
@@ -94,7 +161,7 @@ test('attaches trusting the daemon identity: every dtype bitwise', async () => {
   }
 });
 
-test('a fingerprint of another recipe is refused with FINGERPRINT_MISMATCH', async () => {
+test('a fingerprint of another recipe is refused with FINGERPRINT_MISMATCH', EACH, async () => {
   const folder = info.checkpoints.single;
   const fingerprint = computeFingerprint(folder, { recipe: { dtype: 'F16' } });
 
@@ -108,7 +175,7 @@ test('a fingerprint of another recipe is refused with FINGERPRINT_MISMATCH', asy
   assert.equal(err.metadata.components, 'recipe');
 });
 
-test('a fingerprint nothing resembles is refused with MODEL_NOT_FOUND', async () => {
+test('a fingerprint nothing resembles is refused with MODEL_NOT_FOUND', EACH, async () => {
   const fingerprint = { digest: 'a'.repeat(64), level: 'full', components: [] };
 
   const err = await client.acquire({ fingerprint, checkpointPath: '/nowhere' }).catch((e) => e);
@@ -120,7 +187,7 @@ test('a fingerprint nothing resembles is refused with MODEL_NOT_FOUND', async ()
   assert.equal(byName.metadata.model, 'no-such-model');
 });
 
-test('a malformed request is refused with INVALID_ARGUMENT naming the field', async () => {
+test('a malformed request is refused with INVALID_ARGUMENT naming the field', EACH, async () => {
   const err = await client.acquire({ fingerprint: { digest: 'XYZ', level: 'full' } }).catch((e) => e);
 
   assert.equal(err.reason, 'INVALID_ARGUMENT');
@@ -128,7 +195,7 @@ test('a malformed request is refused with INVALID_ARGUMENT naming the field', as
   assert.equal(err.metadata.field, 'fingerprint.digest');
 });
 
-test('KeepAlive renews a lease past its TTL, and Release ends it', async () => {
+test('KeepAlive renews a lease past its TTL, and Release ends it', EACH, async () => {
   const attachment = await client.acquireByName('single', { ttl: 1 });
   const renewals = [];
   attachment.on('renewed', (expireTime) => renewals.push(expireTime));
@@ -148,7 +215,7 @@ test('KeepAlive renews a lease past its TTL, and Release ends it', async () => {
   assert.equal(lost, null);
 });
 
-test('a lease the daemon no longer knows is reported lost', async () => {
+test('a lease the daemon no longer knows is reported lost', EACH, async () => {
   const attachment = await client.acquireByName('single', { ttl: 1 });
   const lostEvent = once(client, 'leaseLost');
   // Another client ends the lease behind this one's back.

@@ -3,8 +3,10 @@
 Writes small checkpoints (``single``, ``sharded``: :func:`weightcache.testing.checkpoints.
 reference_tensors`; ``alltypes``: one tensor of every supported dtype), starts
 ``weightcache preload`` on them (:func:`weightcache.testing.daemon.run_daemon`), and prints
-one JSON line: the socket, the checkpoint folders, and per checkpoint and tensor its dtype,
-shape and the sha256 of its bytes as safetensors' Python reader gives them. Then it waits
+one JSON line: the socket, the checkpoint folders, per checkpoint and tensor its dtype,
+shape and the sha256 of its bytes as safetensors' Python reader gives them, and the Python
+SDK's dtype table (safetensors name -> element size in bytes, from
+:data:`weightcache.core.dtypes.TORCH_DTYPES`) for the Node one to match. Then it waits
 until its stdin closes, stops the daemon and checks that it left no socket, lock file or
 /dev/shm segment (exit status 1 and the reason on stderr otherwise).
 
@@ -71,6 +73,7 @@ def main() -> int:
                 "socket": daemon.socket,
                 "checkpoints": {name: str(path) for name, path in folders.items()},
                 "tensors": {name: _read_back(path) for name, path in folders.items()},
+                "dtypes": {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()},
             }
             print(json.dumps(info), flush=True)
             sys.stdin.read()  # until the test closes our stdin
