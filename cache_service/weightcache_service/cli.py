@@ -72,19 +72,29 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def configure_logging(fmt: str = "console", level: str = "info") -> None:
     """Send structlog output at ``level`` and above to stderr as console lines or JSON, and
-    standard logging's (the SDK's, libraries') through the same level to stderr."""
-    logging.basicConfig(level=level.upper(), stream=sys.stderr)
+    standard logging's (the SDK's, libraries') through the same level and renderer, so that
+    a ``json`` log holds JSON lines only (structlog's ``ProcessorFormatter``)."""
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    stamped: list[structlog.typing.Processor] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *stamped],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
     structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
+        processors=[*stamped, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
