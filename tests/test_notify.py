@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import Checkpoints, DaemonPool, write_malformed
+from weightcache_service.notify import Notifier
 
 #: $WATCHDOG_USEC: a 0.4 s watchdog, so a ping every 0.2 s.
 WATCHDOG_USEC = 400_000
@@ -99,10 +100,21 @@ def test_no_ready_while_a_required_model_failed(
 
 
 def test_without_notify_socket_nothing_is_sent(
-    daemons: DaemonPool, checkpoints: Checkpoints, notify: tuple[str, Listener]
+    notify: tuple[str, Listener], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, listener = notify
-    daemons.start([checkpoints.single])
+    path, listener = notify
+    monkeypatch.setenv("WATCHDOG_USEC", "2000000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    silent = Notifier.from_env()
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    told = Notifier.from_env()
+    monkeypatch.setenv("WATCHDOG_PID", "1")  # the watchdog is another process's
+    other = Notifier.from_env()
 
-    time.sleep(0.5)
-    assert listener.drain() == []
+    assert (silent.address, silent.watchdog_interval) == (None, None)
+    assert silent.send("READY=1") is False
+    assert (told.address, told.watchdog_interval) == (path, 1.0)
+    assert told.send("READY=1", "STATUS=x") is True
+    assert other.watchdog_interval is None
+    assert listener.drain() == ["READY=1\nSTATUS=x"]  # the one send with a socket
