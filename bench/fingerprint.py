@@ -31,6 +31,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -133,9 +134,9 @@ def measure_here(level: Level, model_dir: str) -> dict[str, Any]:
     hashed: list[str] = []
     real_hash = hashcache._hash
 
-    def counting(fd: int, path: Path) -> str:
+    def counting(fd: int, path: Path, stop: threading.Event | None = None) -> str:
         hashed.append(os.path.basename(path))
-        digest: str = real_hash(fd, path)
+        digest: str = real_hash(fd, path, stop)
         return digest
 
     hashcache._hash = counting

@@ -14,6 +14,11 @@ Run with ``.venv/bin/python bench/preload_vs_cp.py [options]``.
    counts the arena's pages only where the daemon itself touched them through its
    mapping) next to the arena's size.
 
+``--first-preload`` times instead what a first preload at the default level ``full``
+costs, fingerprint included: one daemon (``--allow-remote-preload``, its hash cache in a
+folder of its own, emptied before every run) is asked for the checkpoint by a remote
+``Preload`` timed from the request to its last message, then the model is evicted.
+
 The page cache is warm by default (the files were just written). ``--drop-caches`` (root
 with a writable /proc/sys) drops it before every run; ``--evict`` instead asks the kernel
 to drop the shard files' clean pages (``posix_fadvise(POSIX_FADV_DONTNEED)`` after
@@ -23,6 +28,7 @@ to drop the shard files' clean pages (``posix_fadvise(POSIX_FADV_DONTNEED)`` aft
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import shutil
@@ -32,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import grpc
 
 # bench/ is sys.path[0] when this file runs as a script.
 from attach_vs_disk import (
@@ -44,8 +52,11 @@ from attach_vs_disk import (
     write_checkpoint,
 )
 
+from weightcache.core.rpc import target
 from weightcache.testing import run_daemon
 from weightcache.testing.daemon import list_models
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
 
 def shard_files(folder: Path) -> list[Path]:
@@ -109,8 +120,49 @@ def time_preload(folder: Path, tmp: Path) -> tuple[float, int, int]:
     return seconds, peak, model.size_bytes
 
 
+class FirstPreload:
+    """One daemon that preloads ``folder`` remotely at level ``full`` with an empty hash
+    cache each time (:meth:`time`): a first preload, fingerprint included."""
+
+    def __init__(self, folder: Path, tmp: Path, stack: contextlib.ExitStack) -> None:
+        self.folder = folder
+        self.hashes = tmp / "hash-cache"
+        args = ["--allow-remote-preload", "--model-root", str(folder.parent)]
+        env = {"WEIGHTCACHE_HASH_CACHE": str(self.hashes)}
+        self.daemon = stack.enter_context(
+            run_daemon(args=args, log_dir=tmp, env=env, timeout=900, new_session=True)
+        )
+        self.channel = stack.enter_context(grpc.insecure_channel(target(self.daemon.socket)))
+        self.stub = pb_grpc.WeightCacheServiceStub(self.channel)
+
+    def time(self) -> tuple[float, int, int]:
+        """Seconds from the Preload request to its last message, the daemon's peak RSS in
+        bytes so far and the arena's size in bytes; the model is evicted after.
+
+        Raises:
+            BenchError: the model did not end READY.
+        """
+        shutil.rmtree(self.hashes, ignore_errors=True)
+        request = pb.PreloadRequest(
+            path=str(self.folder), fingerprint_level=pb.FINGERPRINT_LEVEL_FULL
+        )
+        begin = time.monotonic()
+        *_, last = self.stub.Preload(request, timeout=900)
+        seconds = time.monotonic() - begin
+        if last.state != pb.MODEL_STATE_READY:
+            raise BenchError(f"model {last.model} ended {pb.ModelState.Name(last.state)}")
+        (model,) = list_models(self.daemon.socket)
+        self.stub.Evict(pb.EvictRequest(name=last.model), timeout=60)
+        return seconds, peak_rss(self.daemon.pid), model.size_bytes
+
+
 def run(args: argparse.Namespace, tmp: Path) -> bool:
     """Steps 1-3 of the module docstring; True once done (a failure raises)."""
+    with contextlib.ExitStack() as stack:
+        return _run(args, tmp, stack)
+
+
+def _run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> bool:
     if args.drop_caches:
         drop_caches()  # fail before spending a minute generating
     folder = tmp / "checkpoint"
@@ -124,9 +176,12 @@ def run(args: argparse.Namespace, tmp: Path) -> bool:
     cache = "COLD-ish (fadvise DONTNEED of the shards)" if args.evict else cache
     print(f"  page cache: {cache} before every run")
     print(f"  runs: {args.repeat} of each, interleaved (cp, preload, cp, preload, ...)")
+    if args.first_preload:
+        print("  preload: a first one at level full (empty hash cache), fingerprint included")
     begin = time.monotonic()
     write_checkpoint(folder, specs, args.shards, args.seed)
     print(f"  generated in {time.monotonic() - begin:.1f} s")
+    first = FirstPreload(folder, tmp, stack) if args.first_preload else None
     files = shard_files(folder)
     size = sum(f.stat().st_size for f in files)
     cp_s: list[float] = []
@@ -140,7 +195,7 @@ def run(args: argparse.Namespace, tmp: Path) -> bool:
             if what == "cp":
                 cp_s.append(time_cp(files))
                 continue
-            seconds, peak, arena = time_preload(folder, tmp)
+            seconds, peak, arena = first.time() if first else time_preload(folder, tmp)
             preload_s.append(seconds)
             print(
                 f"  run {number + 1}: cp {fmt_seconds(cp_s[-1])}, preload {fmt_seconds(seconds)}"
@@ -171,6 +226,11 @@ def parse_args() -> argparse.Namespace:
     cold = parser.add_mutually_exclusive_group()
     cold.add_argument("--drop-caches", action="store_true", help="cold disk (root only)")
     cold.add_argument("--evict", action="store_true", help="fadvise DONTNEED the shards")
+    parser.add_argument(
+        "--first-preload",
+        action="store_true",
+        help="time a remote Preload at level full with an empty hash cache, fingerprint included",
+    )
     args = parser.parse_args()
     if min(args.tensors, args.shards, args.repeat) < 1 or args.size_gib <= 0:
         parser.error("--size-gib, --tensors, --shards and --repeat must be positive")

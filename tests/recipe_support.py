@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,9 +350,9 @@ class HashCounter:
         self.read: list[str] = []
         real = weightcache.core.hashcache._hash
 
-        def counting(fd: int, path: Path) -> str:
+        def counting(fd: int, path: Path, stop: threading.Event | None = None) -> str:
             self.read.append(os.path.basename(path))
-            digest: str = real(fd, path)
+            digest: str = real(fd, path, stop)
             return digest
 
         monkeypatch.setattr(weightcache.core.hashcache, "_hash", counting)

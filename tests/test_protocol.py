@@ -12,7 +12,12 @@ from tests.support import Checkpoints, run_cli
 from weightcache._handles import build_views
 from weightcache.core.checkpoint import INDEX_FILE, MAX_FILES, FileIdentity, open_checkpoint
 from weightcache.core.errors import HandleError, InvalidArgumentError
-from weightcache.core.fingerprint import DEFAULT_LEVEL, Fingerprint, compute_fingerprint
+from weightcache.core.fingerprint import (
+    DEFAULT_LEVEL,
+    Fingerprint,
+    compute_fingerprint,
+    pending_fingerprint,
+)
 from weightcache.core.plugins import PluginStep
 from weightcache.core.protocol import (
     MAX_COMPONENTS,
@@ -146,6 +151,28 @@ def test_models_round_trip(fingerprint: Fingerprint) -> None:
     assert not model_pb(_model(fingerprint, "loading")).HasField("load_duration")
     progress = LoadProgress(5, 10, 1, 2)
     assert progress_from_pb(progress_pb(progress)) == progress
+
+
+def test_a_pending_fingerprint_is_read_only_for_a_model_loading_or_failed(
+    checkpoints: Checkpoints,
+) -> None:
+    with open_checkpoint(str(checkpoints.sharded)) as checkpoint:
+        pipeline = Recipe().build(checkpoint, Placement())
+        pending = pending_fingerprint(checkpoint, pipeline, Placement())
+        complete = compute_fingerprint(checkpoint, pipeline, Placement(), "full")
+    assert pending.pending and not complete.pending
+    assert (pending.digest, pending.level) == ("", "full")
+    assert list(pending.components) == ["format", "layout", "placement", "recipe"]
+    assert pending.may_become(complete) and not complete.may_become(pending)
+    readable: tuple[ModelState, ...] = ("loading", "failed")
+    for state in readable:
+        model = _model(pending, state)
+        assert model_from_pb(model_pb(model)) == model
+    refused: tuple[ModelState, ...] = ("ready", "evicting")
+    for state in refused:
+        with pytest.raises(InvalidArgumentError) as caught:
+            model_from_pb(model_pb(_model(pending, state)))
+        assert caught.value.metadata == {"field": "fingerprint.digest"}
 
 
 def test_leases_round_trip() -> None:

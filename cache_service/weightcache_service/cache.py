@@ -9,6 +9,7 @@ converts at the edge. (Named ``cache``, not ``daemon``: ``server.Daemon`` is the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -24,12 +25,19 @@ from weightcache.core.errors import (
     FingerprintMismatchError,
     InvalidArgumentError,
     LeasesActiveError,
+    ModelExistsError,
     ModelLoadingError,
     ModelNotFoundError,
     PermissionDeniedError,
     WeightCacheError,
 )
-from weightcache.core.fingerprint import Fingerprint, Level, compute_fingerprint
+from weightcache.core.fingerprint import (
+    Fingerprint,
+    Level,
+    compute_fingerprint,
+    pending_fingerprint,
+    unhashed_shards,
+)
 from weightcache.core.protocol import MAX_ID_CHARS, MAX_PATH_CHARS, check_len
 from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.core.records import (
@@ -140,6 +148,10 @@ class WeightCache:
     ) -> tuple[Entry, asyncio.Task[None]]:
         """Validate and fingerprint a checkpoint (off the event loop), then start loading it.
 
+        At level ``full``, shards the hash cache does not know are hashed during the load:
+        the entry's fingerprint is pending until then, and a load that then turns out to
+        hold a model already held fails with :class:`ModelExistsError` and is dropped.
+
         Args:
             confine: every file read must resolve inside a model root (remote Preload).
 
@@ -147,7 +159,8 @@ class WeightCache:
             InvalidCheckpointError: the checkpoint is malformed.
             RecipeError: the recipe cannot be built for the checkpoint.
             PermissionDeniedError: ``confine`` and a file resolves outside the roots.
-            ModelExistsError: the fingerprint is already held.
+            ModelExistsError: the fingerprint is already held, or a model loaded from the
+                very same files with the same recipe, placement and level.
             ResourceExhaustedError: the arena would not fit the memory budget.
         """
 
@@ -158,7 +171,11 @@ class WeightCache:
             checkpoint = open_checkpoint(path, check_file=check)
             try:
                 pipeline = recipe.build(checkpoint, placement)
-                fp = compute_fingerprint(checkpoint, pipeline, placement, level)
+                if level == "full" and unhashed_shards(checkpoint):
+                    # Hashed while the load copies them (weightcache_service.hashing).
+                    fp = pending_fingerprint(checkpoint, pipeline, placement)
+                else:
+                    fp = compute_fingerprint(checkpoint, pipeline, placement, level)
             except BaseException:
                 checkpoint.close()
                 raise
@@ -174,9 +191,17 @@ class WeightCache:
         task = asyncio.create_task(asyncio.to_thread(self.store.load, entry))
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
+        task.add_done_callback(lambda _t: self._drop_duplicate(entry))
         task.add_done_callback(lambda _t: self._log_loaded(entry))
         task.add_done_callback(lambda _t: self.events.loaded(entry))
         return entry, task
+
+    def _drop_duplicate(self, entry: Entry) -> None:
+        # Refused like a Preload of a held fingerprint, only later: no FAILED record stays.
+        if isinstance(entry.failure, ModelExistsError) and entry.state == "failed":
+            with contextlib.suppress(ModelNotFoundError):
+                if self.store.get(entry.name) is entry:
+                    self.store.remove(entry.name)
 
     @staticmethod
     def _log_loaded(entry: Entry) -> None:

@@ -3,7 +3,16 @@
 Loading streams one tensor at a time from the checkpoint through the recipe into the
 arena, so the daemon's peak memory is about the arena plus the largest tensor. The store
 itself is not thread-safe: the server calls it from its event loop, and runs only
-:meth:`Store.load` (which touches nothing but its own entry) in a worker thread.
+:meth:`Store.load` in a worker thread; a load touches nothing but its own entry, except to
+compare its final fingerprint with the other entries' (under a lock, so that of two loads
+of one content that end at once, one is refused).
+
+At level ``full``, shards whose sha256 the hash cache does not hold are hashed while they
+are copied into the arena (threads reading the same descriptors), not before: the files are
+read once from disk, and a first load takes about the longer of the two, not their sum.
+Until then the entry's fingerprint is pending (:func:`pending_fingerprint`); a second load
+of the very same files is refused at once by file identity, and one of the same content
+from other files when the hashes are known.
 """
 
 from __future__ import annotations
@@ -24,12 +33,13 @@ from weightcache.core.errors import (
     ResourceExhaustedError,
     WeightCacheError,
 )
-from weightcache.core.fingerprint import REQUEST_COMPONENTS, Fingerprint
+from weightcache.core.fingerprint import REQUEST_COMPONENTS, Fingerprint, compute_fingerprint
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.core.records import LoadProgress, ModelInfo, ModelState, StorageHandle, TensorView
 from weightcache_service.arena import Arena, Slot, plan_slots, tail
 from weightcache_service.budget import MemoryBudget
+from weightcache_service.hashing import ShardHashes
 
 
 @dataclass
@@ -117,6 +127,8 @@ class Store:
         self._make_arena = make_arena
         self.budget = budget
         self._entries: dict[str, Entry] = {}
+        # Taken by a load thread to compare its completed fingerprint and turn READY.
+        self._settling = threading.Lock()
 
     def entries(self) -> list[Entry]:
         """Every entry, sorted by name."""
@@ -148,12 +160,20 @@ class Store:
         A model refused for lack of memory stays registered as FAILED (no arena), so that
         a worker asking for it learns why (:meth:`find`).
 
+        Args:
+            fp: the fingerprint, or at level ``full`` a pending one
+                (:func:`~weightcache.core.fingerprint.pending_fingerprint`): the load then
+                hashes the shards and completes it.
+
         Raises:
-            ModelExistsError: a model with the same fingerprint is already held.
+            ModelExistsError: a model with the same fingerprint is already held, or one
+                loaded (or loading) from the very same files with the same format, recipe
+                and placement.
             ResourceExhaustedError: the arena would not fit the memory budget.
         """
+        files = checkpoint.file_identities()
         for entry in list(self._entries.values()):
-            if entry.fingerprint.digest != fp.digest:
+            if not _same_model(entry, fp, files):
                 continue
             if entry.state == "failed":
                 del self._entries[entry.name]  # a retry replaces a failed load
@@ -205,16 +225,26 @@ class Store:
 
     def _load(self, entry: Entry) -> None:
         start = time.monotonic()
+        hashing = ShardHashes(entry.checkpoint) if entry.fingerprint.pending else None
         try:
             entry.arena = self._make_arena(entry.size)
             with CheckpointReader(entry.checkpoint) as reader:
                 for slot in entry.slots:
                     self._load_tensor(entry, entry.arena, reader, slot)
-            # The fingerprint was computed from these files before the load read them.
+            if hashing is not None:
+                entry.fingerprint = compute_fingerprint(
+                    entry.checkpoint,
+                    entry.pipeline,
+                    entry.placement,
+                    "full",
+                    file_sha256=hashing.result(),
+                )
+            # The fingerprint and the arena were both read from these files.
             entry.checkpoint.check_unchanged()
             entry.views = tuple(slot.view() for slot in entry.slots)
             # Built once, in the load thread: for CUDA it waits for every copy to land.
             entry.handle = entry.arena.handle()
+            self._make_ready(entry, time.monotonic() - start)
         except WeightCacheError as exc:
             _fail(entry, exc)
         except Exception as exc:
@@ -222,15 +252,34 @@ class Store:
             # and must say so, not leave the model LOADING with its arena held.
             _fail(entry, ModelFailedError(f"{entry.name}: {type(exc).__name__}: {exc}"))
         finally:
+            if hashing is not None:
+                hashing.stop()  # before the checkpoint's descriptors close
             # Every way out but success frees the arena at once, whatever escaped.
-            if entry.handle is None:
+            if entry.state != "ready":
                 if entry.failure is None:
                     _fail(entry, ModelFailedError(f"load of {entry.name!r} was interrupted"))
                 self._free(entry)
-        if entry.state == "failed":
-            return
-        entry.load_seconds = time.monotonic() - start
-        entry.state = "ready"
+
+    def _make_ready(self, entry: Entry, seconds: float) -> None:
+        """READY, unless the load completed a pending fingerprint that another model
+        (READY or loading) already has.
+
+        Raises:
+            ModelExistsError: another model holds this fingerprint.
+        """
+        with self._settling:
+            held = [e for e in list(self._entries.values()) if e is not entry]
+            for other in held:
+                if other.state in ("loading", "ready") and (
+                    other.fingerprint.digest == entry.fingerprint.digest
+                ):
+                    raise ModelExistsError(
+                        f"model {other.name!r} already holds this fingerprint "
+                        f"(found once {entry.name!r}'s shards were hashed)",
+                        metadata={"model": other.name},
+                    )
+            entry.load_seconds = seconds
+            entry.state = "ready"
 
     @staticmethod
     def _load_tensor(entry: Entry, arena: Arena, reader: CheckpointReader, slot: Slot) -> None:
@@ -257,7 +306,8 @@ class Store:
         model is compared.
 
         Raises:
-            ModelLoadingError: the model is still loading.
+            ModelLoadingError: the model is still loading (also a load whose fingerprint
+                is pending and agrees with every component of ``fp`` it has).
             ResourceExhaustedError: the model was refused or failed for lack of memory.
             ModelFailedError: the model failed to load (``metadata["cause"]`` is the
                 failure's reason code).
@@ -270,6 +320,10 @@ class Store:
         for entry in candidates:
             if entry.fingerprint.digest == fp.digest:
                 return _ready(entry)
+        # A load still hashing its shards may turn out to be this model: not yet a miss.
+        for entry in candidates:
+            if entry.fingerprint.pending and entry.fingerprint.may_become(fp):
+                _ready(entry)
         # A model of this path that the daemon failed to hold explains the miss better than
         # an unrelated held model that happens to share a layout.
         for entry in candidates:
@@ -376,6 +430,14 @@ def _fail(entry: Entry, error: WeightCacheError) -> None:
     entry.failure = error
     entry.error = str(error)
     entry.state = "failed"
+
+
+def _same_model(entry: Entry, fp: Fingerprint, files: dict[str, FileIdentity]) -> bool:
+    """Whether ``entry`` is the model of fingerprint ``fp`` read from ``files``: the same
+    digest, or (either fingerprint may be pending) the same files and request components."""
+    if fp.digest and entry.fingerprint.digest == fp.digest:
+        return True
+    return entry.loaded_from(fp.components, files)
 
 
 def _ready(entry: Entry) -> Entry:

@@ -217,7 +217,7 @@ def _component_values(
         "placement": placement.identity(),
     }
     for shard in checkpoint.shards:
-        values[f"checkpoint/{shard.name}"] = fp_module._shard_identity(checkpoint, shard, level)
+        values[f"checkpoint/{shard.name}"] = fp_module._shard_identity(checkpoint, shard, level, {})
     return values
 
 

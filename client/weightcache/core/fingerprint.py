@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import rfc8785
 
-from weightcache.core.hashcache import fd_sha256
+from weightcache.core.hashcache import cached_sha256, fd_sha256
 
 if TYPE_CHECKING:
     # Imported for annotations only: the levels and the Fingerprint value import no torch,
@@ -53,7 +54,7 @@ class Fingerprint:
     """A computed fingerprint.
 
     Attributes:
-        digest: lowercase hex sha256 (64 characters).
+        digest: lowercase hex sha256 (64 characters); empty while :attr:`pending`.
         level: the checkpoint content level.
         components: component name -> lowercase hex sha256, sorted by name.
     """
@@ -61,6 +62,20 @@ class Fingerprint:
     digest: str
     level: Level
     components: dict[str, str]
+
+    @property
+    def pending(self) -> bool:
+        """Whether this is a daemon's fingerprint of a model still loading at level
+        ``full`` whose shards it hashes as it reads them (:func:`pending_fingerprint`):
+        no digest, no ``checkpoint/<shard>`` components yet."""
+        return not self.digest
+
+    def may_become(self, other: Fingerprint) -> bool:
+        """Whether ``other`` agrees with every component this fingerprint has: for a
+        :attr:`pending` one, whether it may turn out to be ``other`` once hashed."""
+        return self.level == other.level and all(
+            other.components.get(name) == digest for name, digest in self.components.items()
+        )
 
     def differing(self, other: Fingerprint) -> list[str]:
         """Names of the components that differ from (or are missing in) ``other``, sorted."""
@@ -78,6 +93,8 @@ def compute_fingerprint(
     recipe: Recipe | Pipeline,
     placement: Placement,
     level: Level = DEFAULT_LEVEL,
+    *,
+    file_sha256: Mapping[str, str] | None = None,
 ) -> Fingerprint:
     """Fingerprint a validated checkpoint under a recipe (or the pipeline already built
     from it for this checkpoint and placement) and a placement.
@@ -85,6 +102,11 @@ def compute_fingerprint(
     Shards are read through the checkpoint's open descriptors (the same ones a load
     reads), so the fingerprint describes the bytes that are loaded as long as
     :meth:`Checkpoint.check_unchanged` passes after the load.
+
+    Args:
+        file_sha256: at level ``full``, shard name -> the lowercase hex sha256 of every
+            byte of that shard, already computed by the caller from the same descriptor
+            (the daemon hashes a shard while it loads it); other shards are hashed here.
 
     Raises:
         ValueError: ``level`` is not ``"layout"``, ``"sampled"`` or ``"full"``.
@@ -96,20 +118,47 @@ def compute_fingerprint(
 
     if isinstance(recipe, Recipe):
         recipe = recipe.build(checkpoint, placement)
-    components = request_components(recipe.identity, placement, level)
-    parts: dict[str, Any] = {
-        "layout": [
-            {"name": shard.name, "size": shard.size, "header_sha256": shard.header_sha256}
-            for shard in checkpoint.shards
-        ]
-    }
-    for shard, identity in zip(
-        checkpoint.shards, _shard_identities(checkpoint, level), strict=True
-    ):
-        parts[f"checkpoint/{shard.name}"] = identity
-    components.update((name, _digest(value)) for name, value in parts.items())
+    components = _known_components(checkpoint, recipe, placement, level)
+    identities = _shard_identities(checkpoint, level, file_sha256 or {})
+    for shard, identity in zip(checkpoint.shards, identities, strict=True):
+        components[f"checkpoint/{shard.name}"] = _digest(identity)
     components = dict(sorted(components.items()))
     return Fingerprint(digest=_digest(components), level=level, components=components)
+
+
+def pending_fingerprint(
+    checkpoint: Checkpoint, pipeline: Pipeline, placement: Placement
+) -> Fingerprint:
+    """What a daemon knows of a level-``full`` fingerprint before it has read the shards:
+    the ``format``, ``layout``, ``recipe`` and ``placement`` components, no digest
+    (:attr:`Fingerprint.pending`). The daemon hashes the shards while it loads them and
+    then replaces it with :func:`compute_fingerprint`'s (``docs/fingerprint.md``,
+    "Who reads the bytes")."""
+    components = dict(sorted(_known_components(checkpoint, pipeline, placement, "full").items()))
+    return Fingerprint(digest="", level="full", components=components)
+
+
+def unhashed_shards(checkpoint: Checkpoint) -> list[str]:
+    """The shards whose sha256 the hash cache does not hold for their identity as opened
+    (:func:`weightcache.core.hashcache.cached_sha256`): what a level-``full`` fingerprint
+    would read in full.
+
+    Raises:
+        InvalidCheckpointError: the checkpoint is closed.
+    """
+    return [s.name for s in checkpoint.shards if cached_sha256(checkpoint.fd(s.name)) is None]
+
+
+def _known_components(
+    checkpoint: Checkpoint, pipeline: Pipeline, placement: Placement, level: Level
+) -> dict[str, str]:
+    components = request_components(pipeline.identity, placement, level)
+    layout = [
+        {"name": shard.name, "size": shard.size, "header_sha256": shard.header_sha256}
+        for shard in checkpoint.shards
+    ]
+    components["layout"] = _digest(layout)
+    return components
 
 
 #: The components :func:`request_components` computes: those that read no checkpoint file.
@@ -143,19 +192,25 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(rfc8785.dumps(value)).hexdigest()
 
 
-def _shard_identities(checkpoint: Checkpoint, level: Level) -> list[dict[str, Any]]:
+def _shard_identities(
+    checkpoint: Checkpoint, level: Level, known: Mapping[str, str]
+) -> list[dict[str, Any]]:
     """Each shard's identity, in shard order. At ``full`` the shards are hashed in parallel
     threads (hashlib and ``pread`` release the GIL on large buffers): a first hash of a
     many-shard checkpoint takes about its largest shard's time on as many cores."""
     shards = checkpoint.shards
     if level != "full" or len(shards) < 2:
-        return [_shard_identity(checkpoint, shard, level) for shard in shards]
+        return [_shard_identity(checkpoint, shard, level, known) for shard in shards]
     workers = min(len(shards), os.cpu_count() or 1)
     with ThreadPoolExecutor(workers, thread_name_prefix="weightcache-hash") as pool:
-        return list(pool.map(lambda shard: _shard_identity(checkpoint, shard, level), shards))
+        return list(
+            pool.map(lambda shard: _shard_identity(checkpoint, shard, level, known), shards)
+        )
 
 
-def _shard_identity(checkpoint: Checkpoint, shard: ShardInfo, level: Level) -> dict[str, Any]:
+def _shard_identity(
+    checkpoint: Checkpoint, shard: ShardInfo, level: Level, known: Mapping[str, str]
+) -> dict[str, Any]:
     identity: dict[str, Any] = {
         "name": shard.name,
         "size": shard.size,
@@ -164,7 +219,9 @@ def _shard_identity(checkpoint: Checkpoint, shard: ShardInfo, level: Level) -> d
     if level == "sampled":
         identity["content_sha256"] = _sampled_digest(shard, checkpoint.fd(shard.name))
     elif level == "full":
-        identity["file_sha256"] = fd_sha256(checkpoint.fd(shard.name), shard.path)
+        identity["file_sha256"] = known.get(shard.name) or fd_sha256(
+            checkpoint.fd(shard.name), shard.path
+        )
     return identity
 
 

@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -43,7 +44,9 @@ def file_sha256(path: str | os.PathLike[str], cache: Path | None = None) -> str:
         os.close(fd)
 
 
-def fd_sha256(fd: int, path: Path, cache: Path | None = None) -> str:
+def fd_sha256(
+    fd: int, path: Path, cache: Path | None = None, *, stop: threading.Event | None = None
+) -> str:
     """Lowercase hex sha256 of an open file's bytes, from the cache, or by reading the
     descriptor (then cached).
 
@@ -51,30 +54,59 @@ def fd_sha256(fd: int, path: Path, cache: Path | None = None) -> str:
         fd: the open file; read with ``pread``, never reopened by path.
         path: where the opened file really is (for whoever traces reads).
         cache: the cache folder; :func:`cache_dir` by default.
+        stop: when set, the read ends early (checked every :data:`CHUNK` bytes).
 
     Raises:
+        InterruptedError: ``stop`` was set before the last byte was read; nothing is
+            cached.
         OSError: the file cannot be read. A cache that cannot be written is skipped.
     """
-    info = os.fstat(fd)
-    key = f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}"
-    folder = cache or cache_dir()
-    entry = folder / key
+    # The key is the identity before the read: a file changed while it is read keeps
+    # its digest under the identity it no longer has, never under its new one.
+    entry = _entry(fd, cache)
+    cached = _lookup(entry)
+    if cached is not None:
+        return cached
+    digest = _hash(fd, path) if stop is None else _hash(fd, path, stop)
+    _store(entry.parent, entry, digest)
+    return digest
+
+
+def cached_sha256(fd: int, cache: Path | None = None) -> str | None:
+    """The remembered sha256 of an open file, or None when its identity (dev, inode,
+    size, mtime, ctime) has none: one ``fstat`` and one small read, no byte of the file.
+
+    Raises:
+        OSError: ``fstat`` fails (a closed descriptor).
+    """
+    return _lookup(_entry(fd, cache))
+
+
+def _lookup(entry: Path) -> str | None:
     with contextlib.suppress(OSError):
         cached = entry.read_text().strip()
         if _HEX64.match(cached):
             return cached
-    digest = _hash(fd, path)
-    _store(folder, entry, digest)
-    return digest
+    return None
 
 
-_CHUNK = 1 << 20
+def _entry(fd: int, cache: Path | None) -> Path:
+    info = os.fstat(fd)
+    key = f"{info.st_dev}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{info.st_ctime_ns}"
+    return (cache or cache_dir()) / key
 
 
-def _hash(fd: int, path: Path) -> str:  # path: which file, for whoever traces reads
+#: Bytes read and hashed at a time.
+CHUNK = 1 << 20
+
+
+def _hash(fd: int, path: Path, stop: threading.Event | None = None) -> str:
+    # path: which file, for whoever traces reads (the tests count them)
     digest = hashlib.sha256()
     offset = 0
-    while chunk := os.pread(fd, _CHUNK, offset):
+    while chunk := os.pread(fd, CHUNK, offset):
+        if stop is not None and stop.is_set():
+            raise InterruptedError(f"hashing {path} stopped at byte {offset}")
         digest.update(chunk)
         offset += len(chunk)
     return digest.hexdigest()

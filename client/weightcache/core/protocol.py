@@ -305,9 +305,14 @@ def model_pb(model: ModelInfo) -> pb.Model:
 def model_from_pb(message: pb.Model) -> ModelInfo:
     """A wire model as a :class:`ModelInfo`.
 
+    A model LOADING (or FAILED while loading) at level ``full`` may have a pending
+    fingerprint: an empty digest and no ``checkpoint/<shard>`` components, while the daemon
+    hashes the shards it copies (:attr:`Fingerprint.pending`).
+
     Raises:
         InvalidArgumentError: the state is unspecified or unknown (``field=model.state``),
-            or the fingerprint is malformed (:func:`fingerprint_from_pb`).
+            or the fingerprint is malformed (:func:`fingerprint_from_pb`; an empty digest
+            is malformed for a model READY or EVICTING).
         RecipeError: the recipe or placement is invalid.
     """
     state = _STATE_FROM_PB.get(message.state)
@@ -315,10 +320,11 @@ def model_from_pb(message: pb.Model) -> ModelInfo:
         raise InvalidArgumentError(
             f"unknown model state {message.state}", metadata={"field": "model.state"}
         )
+    pending = not message.fingerprint.digest and state in ("loading", "failed")
     return ModelInfo(
         name=message.name,
         state=state,
-        fingerprint=fingerprint_from_pb(message.fingerprint),
+        fingerprint=(_fingerprint if pending else fingerprint_from_pb)(message.fingerprint),
         path=message.path,
         recipe=recipe_from_pb(message.recipe),
         placement=placement_from_pb(message.placement),
