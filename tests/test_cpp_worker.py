@@ -16,6 +16,8 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
@@ -27,6 +29,7 @@ import grpc
 import pytest
 from safetensors import safe_open
 
+from tests.race_support import preload_changing, racing_daemon
 from tests.support import (
     INDEX_FILE,
     SMALL_TENSOR,
@@ -645,3 +648,36 @@ def test_a_malformed_table_is_refused_as_by_the_python_sdk(
     assert printed["error"]["reason"] == python.value.reason == "INVALID_HANDLE"
     assert printed["error"]["message"] == str(python.value)
     assert rogue.servicer.released[-1] == f"lease-table-{case}"
+
+
+def test_trusting_the_daemon_waits_while_a_first_full_load_hashes(
+    cpp_worker: Path, daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """The model's fingerprint is pending (empty digest) while the daemon hashes its
+    shards: the worker asks again instead of sending it (docs/protocol.md)."""
+    outcome: dict[str, tuple[int, dict[str, Any]]] = {}
+    with racing_daemon(daemons, tmp_path) as racing:
+        folder = racing.root / "model"
+        shutil.copytree(checkpoints.sharded, folder)
+        socket = racing.daemon.socket
+        worker = threading.Thread(
+            target=lambda: outcome.setdefault(
+                "w", run_worker(cpp_worker, socket, "--model", "model")
+            )
+        )
+
+        def while_loading() -> None:
+            assert get_model(socket, "model").fingerprint.digest == ""
+            worker.start()
+            time.sleep(0.5)  # it asks while the load holds
+
+        preload_changing(
+            socket, folder, racing.base / "pause", while_loading, pb.FINGERPRINT_LEVEL_FULL
+        )
+        worker.join(WORKER_TIMEOUT)
+        held = get_model(socket, "model")
+
+    code, printed = outcome["w"]
+    assert code == 0, printed
+    assert (printed["match"], printed["fingerprint"]) == ("fingerprint", held.fingerprint.digest)
+    assert printed_tensors(printed) == expected_tensors(checkpoints.sharded)

@@ -6,9 +6,12 @@ from other files once the hashes are known; the digests are remembered by file i
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,26 +19,32 @@ import grpc
 import pytest
 import rfc8785
 
-from tests.race_support import Racing, preload_changing, racing_daemon
+from tests.race_support import Racing, preload_changing, racing_daemon, rewrite_data_in_place
 from tests.recipe_support import preload
 from tests.support import (
+    SHARD_2,
     Checkpoints,
     DaemonPool,
     RpcFailure,
     get_model,
     rpc_failure,
+    run_cli,
     service_stub,
     shm_segments,
 )
 from weightcache._loader import _acquire_request
 from weightcache.core.checkpoint import open_checkpoint
-from weightcache.core.fingerprint import Fingerprint, compute_fingerprint
+from weightcache.core.fingerprint import Fingerprint, compute_fingerprint, pending_fingerprint
 from weightcache.core.hashcache import cached_sha256, fd_sha256
 from weightcache.core.protocol import fingerprint_from_pb
 from weightcache.core.recipe import Placement, Recipe
+from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.arena import SharedMemoryArena
+from weightcache_service.store import Entry, Store
 
 FULL = pb.FINGERPRINT_LEVEL_FULL
+NODE_CLIENT = Path(__file__).resolve().parents[1] / "clients" / "node"
 KNOWN_BEFORE_READING = ["format", "layout", "placement", "recipe"]
 
 
@@ -70,6 +79,16 @@ def _acquire(socket: str, folder: Path, fp: Fingerprint) -> pb.AcquireResponse |
 def stub_release(socket: str, lease_id: str) -> None:
     with service_stub(socket) as stub:
         stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=10)
+
+
+def _full(folder: Path) -> Fingerprint:
+    return compute_fingerprint(open_checkpoint(folder), Recipe(), Placement(), "full")
+
+
+def _preload_failure(socket: str, path: Path) -> RpcFailure:
+    with pytest.raises(grpc.RpcError) as caught:
+        preload(socket, path, level=FULL)
+    return rpc_failure(caught.value)
 
 
 def _preload_outcome(socket: str, path: Path, pause: Path) -> pb.PreloadResponse | RpcFailure:
@@ -194,3 +213,153 @@ def test_a_stopped_hash_raises_and_remembers_nothing(tmp_path: Path) -> None:
         assert cached_sha256(fd, cache) == digest
     finally:
         os.close(fd)
+
+
+def test_two_required_start_up_copies_leave_one_model_and_a_ready_daemon(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    for name in ("a", "b"):
+        shutil.copytree(checkpoints.sharded, tmp_path / name)
+
+    daemon = daemons.start([tmp_path / "a", tmp_path / "b"])
+
+    # Whichever ends second is found a copy once hashed, and dropped; the other is required.
+    [model] = list_models(daemon.socket)
+    assert model.state == pb.MODEL_STATE_READY
+    assert run_cli("health", "--readiness", "--socket", daemon.socket).returncode == 0
+    assert len(shm_segments(daemon.tag)) == 1
+
+
+def test_a_copy_refused_for_memory_is_hashed_first_and_refused_as_a_copy(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    for name in ("a", "b"):
+        shutil.copytree(checkpoints.sharded, tmp_path / name)
+    # Holds one of them (test_lifecycle's budget for two models of this size).
+    daemon = daemons.start([tmp_path / "a", tmp_path / "b"], args=["--max-memory", "16KiB"])
+
+    # Not RESOURCE_EXHAUSTED with a FAILED record: the budget's refusal made the daemon
+    # hash b at once, and b is a copy of a (refused at admission, as before).
+    assert [(m.name, m.state) for m in list_models(daemon.socket)] == [("a", pb.MODEL_STATE_READY)]
+    assert run_cli("health", "--readiness", "--socket", daemon.socket).returncode == 0
+
+
+def test_a_model_refused_for_memory_is_kept_under_its_whole_digest(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    folder = root / "model"
+    shutil.copytree(checkpoints.sharded, folder)
+    tuned = tmp_path / "tuned"  # the same layout, other bytes
+    shutil.copytree(checkpoints.sharded, tuned)
+    rewrite_data_in_place(tuned / SHARD_2)
+    remote = ["--allow-remote-preload", "--model-root", str(root)]
+    daemon = daemons.start(args=[*remote, "--max-memory", "4KiB", "--headroom", "0"])
+
+    refused = _preload_failure(daemon.socket, folder)
+    [model] = list_models(daemon.socket)
+    answer = _acquire(daemon.socket, tuned, _full(tuned))
+    own = _acquire(daemon.socket, folder, _full(folder))
+
+    assert (refused.code, refused.reason) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "RESOURCE_EXHAUSTED",
+    )
+    assert model.state == pb.MODEL_STATE_FAILED
+    assert model.fingerprint.digest == _full(folder).digest
+    # Another checkpoint of that layout is told what differs, not the refused model's fate.
+    assert isinstance(answer, RpcFailure), answer
+    assert (answer.reason, answer.metadata["components"]) == (
+        "FINGERPRINT_MISMATCH",
+        f"checkpoint/{SHARD_2}",
+    )
+    assert isinstance(own, RpcFailure), own
+    assert (own.reason, own.metadata["model"]) == ("RESOURCE_EXHAUSTED", "model")
+
+
+def test_of_two_copies_ending_at_once_one_is_ready_and_found_first(
+    checkpoints: Checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIGHTCACHE_HASH_CACHE", str(tmp_path / "hash-cache"))
+    store = Store(lambda size: SharedMemoryArena(size, f"weightcache-test{os.getpid()}-"))
+    entries = []
+    for name in ("a", "b"):
+        shutil.copytree(checkpoints.sharded, tmp_path / name)
+        checkpoint = open_checkpoint(str(tmp_path / name))
+        pipeline = Recipe().build(checkpoint, Placement())
+        fp = pending_fingerprint(checkpoint, pipeline, Placement())
+        entries.append(store.add(checkpoint, Recipe(), Placement(), pipeline, fp))
+    both_hashed = threading.Barrier(2)
+    make_ready = Store._make_ready
+
+    def together(self: Store, entry: Entry, seconds: float) -> None:
+        both_hashed.wait(10)  # the race this lock exists for, every time
+        make_ready(self, entry, seconds)
+
+    monkeypatch.setattr(Store, "_make_ready", together)
+    try:
+        threads = [threading.Thread(target=store.load, args=(e,)) for e in entries]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        states = sorted((e.state, type(e.failure).__name__) for e in entries)
+        [ready] = [e for e in entries if e.state == "ready"]
+        found = store.find(ready.fingerprint, "/elsewhere")
+    finally:
+        store.close()
+
+    assert states == [("failed", "ModelExistsError"), ("ready", "NoneType")]
+    assert found is ready  # not the refused one, which has the same digest until dropped
+
+
+NODE_ACQUIRE_BY_NAME = """
+import { WeightCacheClient } from '%s';
+const client = new WeightCacheClient({ socket: process.argv[1] });
+try {
+  const weights = await client.acquireByName('model');
+  console.log(JSON.stringify({ digest: weights.model.fingerprint.digest,
+                               tensors: [...weights.tensors.keys()].sort() }));
+  await weights.release();
+} finally {
+  client.close();
+}
+"""
+
+
+def test_the_node_client_trusting_the_daemon_waits_for_a_pending_fingerprint(
+    racing: Racing, checkpoints: Checkpoints
+) -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("needs Node.js (node) for clients/node")
+    folder = racing.root / "model"
+    shutil.copytree(checkpoints.sharded, folder)
+    socket = racing.daemon.socket
+    script = NODE_ACQUIRE_BY_NAME % (NODE_CLIENT / "src" / "index.mjs")
+    runs: list[subprocess.CompletedProcess[str]] = []
+    node_run = threading.Thread(
+        target=lambda: runs.append(
+            subprocess.run(
+                [node, "--input-type=module", "-e", script, socket],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        )
+    )
+
+    def while_loading() -> None:
+        assert get_model(socket, "model").fingerprint.digest == ""
+        node_run.start()
+        time.sleep(0.5)  # it asks while the load holds
+
+    preload_changing(socket, folder, racing.base / "pause", while_loading, FULL)
+    node_run.join(60)
+
+    [done] = runs
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed["digest"] == get_model(socket, "model").fingerprint.digest
+    assert printed["tensors"] == sorted(checkpoints.tensors)

@@ -29,6 +29,7 @@ from weightcache.core.errors import (
     ModelLoadingError,
     ModelNotFoundError,
     PermissionDeniedError,
+    ResourceExhaustedError,
     WeightCacheError,
 )
 from weightcache.core.fingerprint import (
@@ -150,7 +151,10 @@ class WeightCache:
 
         At level ``full``, shards the hash cache does not know are hashed during the load:
         the entry's fingerprint is pending until then, and a load that then turns out to
-        hold a model already held fails with :class:`ModelExistsError` and is dropped.
+        hold a model already held fails with :class:`ModelExistsError` and is dropped (no
+        record, not counted as a failed load). When the budget refuses a model whose
+        fingerprint is pending, its shards are hashed first after all, and the refusal is
+        then :class:`ModelExistsError` for a copy of a held model, as it always was.
 
         Args:
             confine: every file read must resolve inside a model root (remote Preload).
@@ -183,7 +187,21 @@ class WeightCache:
 
         checkpoint, pipeline, fp = await asyncio.to_thread(prepare)
         try:
-            entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
+            try:
+                entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
+            except ResourceExhaustedError:
+                if not fp.pending:
+                    raise
+                # Refused for memory before its content was known: hash it now, and let
+                # the loads it may be a copy of end, so that a copy of a model held is
+                # refused as such (MODEL_EXISTS), and a model refused for memory is kept
+                # FAILED under the digest its workers ask for.
+                fp = await asyncio.to_thread(
+                    compute_fingerprint, checkpoint, pipeline, placement, level
+                )
+                for other in self.store.loading_as(fp):
+                    await asyncio.to_thread(other.finished.wait)
+                entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
         except BaseException:
             checkpoint.close()
             raise
@@ -191,17 +209,20 @@ class WeightCache:
         task = asyncio.create_task(asyncio.to_thread(self.store.load, entry))
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
-        task.add_done_callback(lambda _t: self._drop_duplicate(entry))
-        task.add_done_callback(lambda _t: self._log_loaded(entry))
-        task.add_done_callback(lambda _t: self.events.loaded(entry))
+        task.add_done_callback(lambda _t: self._finished(entry))
         return entry, task
 
-    def _drop_duplicate(self, entry: Entry) -> None:
-        # Refused like a Preload of a held fingerprint, only later: no FAILED record stays.
-        if isinstance(entry.failure, ModelExistsError) and entry.state == "failed":
+    def _finished(self, entry: Entry) -> None:
+        if isinstance(entry.failure, ModelExistsError):
+            # Refused like a Preload of a held fingerprint, only later: no FAILED record
+            # stays, and it is not a failed load (logged as the server logs a refusal).
             with contextlib.suppress(ModelNotFoundError):
                 if self.store.get(entry.name) is entry:
                     self.store.remove(entry.name)
+            log.warning("already held", model=entry.name, error=entry.error)
+            return
+        self._log_loaded(entry)
+        self.events.loaded(entry)
 
     @staticmethod
     def _log_loaded(entry: Entry) -> None:

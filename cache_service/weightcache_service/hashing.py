@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from weightcache.core.checkpoint import Checkpoint
-from weightcache.core.errors import InvalidCheckpointError
+from weightcache.core.errors import InvalidCheckpointError, ModelFailedError
 from weightcache.core.hashcache import fd_sha256
 
-__all__ = ["ShardHashes"]
+__all__ = ["POLL", "ShardHashes"]
+
+#: Seconds between checks of a load's cancellation while it waits for its hashes.
+POLL = 0.1
 
 
 class ShardHashes:
@@ -36,19 +40,29 @@ class ShardHashes:
         self._stop = threading.Event()
         workers = max(1, min(len(checkpoint.shards), os.cpu_count() or 1))
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="weightcache-hash")
-        self._futures: dict[str, Future[str]] = {
-            shard.name: self._pool.submit(
-                fd_sha256, checkpoint.fd(shard.name), shard.path, stop=self._stop
-            )
-            for shard in checkpoint.shards
-        }
+        self._futures: dict[str, Future[str]] = {}
+        try:
+            for shard in checkpoint.shards:
+                fd = checkpoint.fd(shard.name)
+                future = self._pool.submit(fd_sha256, fd, shard.path, stop=self._stop)
+                self._futures[shard.name] = future
+        except BaseException:
+            self.stop()  # a thread that could not start: none may outlive the descriptors
+            raise
 
-    def result(self) -> dict[str, str]:
+    def result(self, cancelled: Callable[[], bool] = lambda: False) -> dict[str, str]:
         """Shard name -> lowercase hex sha256 of all its bytes, waiting for the threads.
+
+        Args:
+            cancelled: polled every :data:`POLL` seconds while waiting.
 
         Raises:
             InvalidCheckpointError: a shard could not be read (the error is named).
+            ModelFailedError: ``cancelled()`` turned true first (the daemon is stopping).
         """
+        while wait(self._futures.values(), timeout=POLL).not_done:
+            if cancelled():
+                raise ModelFailedError("load cancelled at shutdown while hashing its shards")
         digests = {}
         for name, future in self._futures.items():
             try:
@@ -59,6 +73,7 @@ class ShardHashes:
 
     def stop(self) -> None:
         """Stop the hashes still running and wait for their threads to end (within one
-        chunk's read each), so that the caller may close the descriptors. Idempotent."""
+        :data:`~weightcache.core.hashcache.CHUNK` read each), so that the caller may close
+        the descriptors. Idempotent."""
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -73,6 +73,12 @@ class Health:
         """Mark the model called ``name`` required for readiness."""
         self._required.add(name)
 
+    def require_instead(self, name: str, held: str) -> None:
+        """The required model ``name`` turned out, once hashed, to hold what the model
+        ``held`` holds (its load was refused as a duplicate): require ``held`` instead."""
+        self._required.discard(name)
+        self._required.add(held)
+
     def refused(self) -> None:
         """A required start-up model was refused before it became a model: never ready."""
         self._refused = True

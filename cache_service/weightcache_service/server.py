@@ -42,7 +42,7 @@ from weightcache_service.notify import Notifier
 from weightcache_service.segments import remove_dead_segments, segment_prefix
 from weightcache_service.servicer import WeightCacheServicer
 from weightcache_service.socket_lock import SocketLock
-from weightcache_service.store import Store
+from weightcache_service.store import Entry, Store
 
 log = structlog.get_logger("weightcache.daemon")
 
@@ -349,6 +349,7 @@ class Daemon:
     async def _preload_startup(self) -> None:
         cfg = self.config
         tasks = []
+        required: list[Entry] = []
         refused = 0
         for spec in cfg.preload:
             try:
@@ -358,6 +359,7 @@ class Daemon:
                 tasks.append(task)
                 if spec.required:
                     self.health.require(entry.name)
+                    required.append(entry)
             except ModelExistsError as err:
                 log.warning("already held", path=spec.path, error=err.detail)
                 if spec.required and "model" in err.metadata:
@@ -377,6 +379,11 @@ class Daemon:
                 log.exception("cannot preload", path=spec.path, error=repr(err))
         self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
+        for entry in required:
+            # A copy of another start-up model, found so once hashed: require the one held,
+            # as when the duplicate is refused at admission (above).
+            if isinstance(entry.failure, ModelExistsError) and "model" in entry.failure.metadata:
+                self.health.require_instead(entry.name, entry.failure.metadata["model"])
         await self.health.started()
         entries = self.store.entries()
         ready = [e for e in entries if e.state == "ready"]

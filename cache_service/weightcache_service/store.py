@@ -158,7 +158,9 @@ class Store:
         """Register a model in state LOADING and size its arena from the planned specs.
 
         A model refused for lack of memory stays registered as FAILED (no arena), so that
-        a worker asking for it learns why (:meth:`find`).
+        a worker asking for it learns why (:meth:`find`); unless its fingerprint is
+        pending: the caller is to complete it and add it again (it may be a copy of a
+        model held or loading, then refused as such).
 
         Args:
             fp: the fingerprint, or at level ``full`` a pending one
@@ -193,6 +195,8 @@ class Store:
                 held, pending = self.held_bytes(), self.pending_bytes()
                 self.budget.check(entry.name, entry.size, held, pending)
             except ResourceExhaustedError as err:
+                if fp.pending:
+                    raise  # not kept: the caller hashes it and adds it again
                 _fail(entry, ResourceExhaustedError(err.detail, metadata=dict(err.metadata)))
                 entry.finished.set()  # no load will run: nothing to wait for at shutdown
                 self._entries[entry.name] = entry
@@ -225,8 +229,10 @@ class Store:
 
     def _load(self, entry: Entry) -> None:
         start = time.monotonic()
-        hashing = ShardHashes(entry.checkpoint) if entry.fingerprint.pending else None
+        hashing: ShardHashes | None = None
         try:
+            if entry.fingerprint.pending:
+                hashing = ShardHashes(entry.checkpoint)
             entry.arena = self._make_arena(entry.size)
             with CheckpointReader(entry.checkpoint) as reader:
                 for slot in entry.slots:
@@ -237,7 +243,7 @@ class Store:
                     entry.pipeline,
                     entry.placement,
                     "full",
-                    file_sha256=hashing.result(),
+                    file_sha256=hashing.result(lambda: entry.cancelled),
                 )
             # The fingerprint and the arena were both read from these files.
             entry.checkpoint.check_unchanged()
@@ -262,22 +268,24 @@ class Store:
 
     def _make_ready(self, entry: Entry, seconds: float) -> None:
         """READY, unless the load completed a pending fingerprint that another model
-        (READY or loading) already has.
-
-        Raises:
-            ModelExistsError: another model holds this fingerprint.
-        """
+        (READY or loading) already has: then FAILED with :class:`ModelExistsError`. Either
+        state is set under the lock, so that of two such loads ending at once the second
+        sees the first's outcome."""
         with self._settling:
             held = [e for e in list(self._entries.values()) if e is not entry]
             for other in held:
                 if other.state in ("loading", "ready") and (
                     other.fingerprint.digest == entry.fingerprint.digest
                 ):
-                    raise ModelExistsError(
-                        f"model {other.name!r} already holds this fingerprint "
-                        f"(found once {entry.name!r}'s shards were hashed)",
-                        metadata={"model": other.name},
+                    _fail(
+                        entry,
+                        ModelExistsError(
+                            f"model {other.name!r} already holds this fingerprint "
+                            f"(found once {entry.name!r}'s shards were hashed)",
+                            metadata={"model": other.name},
+                        ),
                     )
+                    return
             entry.load_seconds = seconds
             entry.state = "ready"
 
@@ -307,7 +315,8 @@ class Store:
 
         Raises:
             ModelLoadingError: the model is still loading (also a load whose fingerprint
-                is pending and agrees with every component of ``fp`` it has).
+                is pending and agrees with every component of ``fp`` it has; a FAILED one
+                with a pending fingerprint answers only for its path).
             ResourceExhaustedError: the model was refused or failed for lack of memory.
             ModelFailedError: the model failed to load (``metadata["cause"]`` is the
                 failure's reason code).
@@ -317,12 +326,15 @@ class Store:
             ModelNotFoundError: nothing matches or resembles ``fp``.
         """
         candidates = [e for e in self._entries.values() if e.state != "evicting"]
-        for entry in candidates:
+        # READY first: a load refused as a duplicate has the held model's digest until
+        # the event loop drops it.
+        for entry in sorted(candidates, key=lambda e: e.state != "ready"):
             if entry.fingerprint.digest == fp.digest:
                 return _ready(entry)
         # A load still hashing its shards may turn out to be this model: not yet a miss.
         for entry in candidates:
-            if entry.fingerprint.pending and entry.fingerprint.may_become(fp):
+            pending = entry.state == "loading" and entry.fingerprint.pending
+            if pending and entry.fingerprint.may_become(fp):
                 _ready(entry)
         # A model of this path that the daemon failed to hold explains the miss better than
         # an unrelated held model that happens to share a layout.
@@ -391,6 +403,14 @@ class Store:
     def held_bytes(self) -> int:
         """Bytes of arenas held or reserved by a load in progress."""
         return sum(e.size for e in self._entries.values() if e.state != "failed")
+
+    def loading_as(self, fp: Fingerprint) -> list[Entry]:
+        """The loads whose pending fingerprint may turn out to be ``fp``."""
+        return [
+            e
+            for e in self._entries.values()
+            if e.state == "loading" and e.fingerprint.pending and e.fingerprint.may_become(fp)
+        ]
 
     def pending_bytes(self) -> int:
         """Bytes admitted but not yet allocated: loads whose arena does not exist yet, which

@@ -171,13 +171,32 @@ export class WeightCacheClient extends EventEmitter {
    * trusting the daemon's identity"): its Model.fingerprint is sent back unchanged, and
    * nothing about the worker's own files is checked.
    *
+   * While the model loads at level FULL its fingerprint may be pending (empty digest:
+   * docs/protocol.md, "A pending fingerprint while a first load hashes"): the model is
+   * asked for again until its digest is there, as Acquire is retried on MODEL_LOADING.
+   *
    * @param {string} name the held model's name.
    * @param {object} [options] as for acquire, without fingerprint.
    * @returns {Promise<Attachment>}
-   * @throws {WeightCacheError} as acquire, and MODEL_NOT_FOUND for an unknown name.
+   * @throws {WeightCacheError} as acquire, MODEL_NOT_FOUND for an unknown name,
+   *   MODEL_LOADING when its fingerprint is still pending after options.loadingTimeout, and
+   *   MODEL_FAILED when it failed before its fingerprint was complete.
    */
   async acquireByName(name, options = {}) {
-    const model = await this.getModel(name);
+    const deadline = Date.now() + (options.loadingTimeout ?? 30) * 1000;
+    let model = await this.getModel(name);
+    while (!model.fingerprint?.digest) {
+      const loading = model.state === 'MODEL_STATE_LOADING';
+      if (!loading || Date.now() > deadline) {
+        // FAILED before its hashes were done: the daemon's own reason is in model.error.
+        throw new WeightCacheError(
+          `model ${name} is ${model.state} with its fingerprint pending: ${model.error || 'still hashing its shards'}`,
+          { reason: loading ? 'MODEL_LOADING' : 'MODEL_FAILED', metadata: { model: name } },
+        );
+      }
+      await sleep(100);
+      model = await this.getModel(name);
+    }
     return this.acquire({ ...options, fingerprint: model.fingerprint, checkpointPath: model.path });
   }
 

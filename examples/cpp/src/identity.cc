@@ -18,9 +18,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/client_context.h>
@@ -166,6 +168,34 @@ static v1::Model model_named(const std::string& name, v1::WeightCacheService::St
   return reply.model();
 }
 
+// A model whose fingerprint is complete. While a first load at level FULL hashes its
+// shards the daemon reports the fingerprint pending (empty digest: docs/protocol.md, "A
+// pending fingerprint while a first load hashes"): ask again, as Acquire is retried on
+// MODEL_LOADING, for at most kPendingPatience.
+constexpr auto kPendingRetry = std::chrono::milliseconds(100);
+constexpr auto kPendingPatience = std::chrono::seconds(30);
+
+template <typename Fetch>
+static v1::Model with_fingerprint(Fetch fetch) {
+  auto give_up = std::chrono::steady_clock::now() + kPendingPatience;
+  v1::Model model = fetch();
+  while (model.fingerprint().digest().empty()) {
+    bool loading = model.state() == v1::MODEL_STATE_LOADING;
+    if (!loading || std::chrono::steady_clock::now() > give_up) {
+      Failure failure;
+      failure.exit_code = kRefused;
+      failure.reason = loading ? "MODEL_LOADING" : "MODEL_FAILED";
+      failure.message = "model " + model.name() + " has its fingerprint pending: " +
+                        (model.error().empty() ? "its shards are still being hashed" : model.error());
+      failure.metadata["model"] = model.name();
+      throw WorkerError(failure);
+    }
+    std::this_thread::sleep_for(kPendingRetry);
+    model = fetch();
+  }
+  return model;
+}
+
 void check_grant(const v1::AcquireRequest& request, const v1::Model& model) {
   if (request.files().empty()) return;
   for (const auto& sent : request.fingerprint().components()) {
@@ -188,13 +218,14 @@ std::string fill_identity(const Args& args, v1::WeightCacheService::Stub& stub,
       fill_files(args, request);
       return "files";
     case Mode::kDaemonPath: {
-      v1::Model model = model_at(args.checkpoint, stub);
+      v1::Model model = with_fingerprint([&] { return model_at(args.checkpoint, stub); });
       *request->mutable_fingerprint() = model.fingerprint();
       request->set_checkpoint_path(model.path());
       return "fingerprint";
     }
     case Mode::kDaemonName:
-      *request->mutable_fingerprint() = model_named(args.model, stub).fingerprint();
+      *request->mutable_fingerprint() =
+          with_fingerprint([&] { return model_named(args.model, stub); }).fingerprint();
       return "fingerprint";
     case Mode::kFingerprint:
       request->mutable_fingerprint()->set_digest(args.fingerprint);
