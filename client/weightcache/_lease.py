@@ -44,7 +44,7 @@ import grpc
 from weightcache._log import get_logger
 from weightcache.core.errors import LeaseLostError
 from weightcache.core.protocol import lease_status_from_pb
-from weightcache.core.rpc import connect
+from weightcache.core.rpc import retire, shared
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 log = get_logger("weightcache.lease")
@@ -132,7 +132,8 @@ class KeepAliveSession:
         self._lock = threading.Lock()
         self._wake: queue.Queue[None] = queue.Queue()
         self._closed = threading.Event()
-        self._channel, self._stub = connect(socket)
+        # The process's shared channel: its Acquires and Releases use the same connection.
+        self._channel, self._stub = shared(socket)
         self._thread = threading.Thread(target=self._run, name="weightcache-keepalive", daemon=True)
         self._thread.start()
 
@@ -150,10 +151,11 @@ class KeepAliveSession:
             self._lose(lease, f"keepalive stream to {self.socket} ended")
 
     def remove(self, lease_id: str) -> None:
-        """Stop renewing a lease (before releasing it)."""
+        """Stop renewing a lease (before releasing it): it is left out of the next
+        renewal, sent when due (waking the stream to send the others at once would cost
+        a round trip beside the Release)."""
         with self._lock:
             self._leases.pop(lease_id, None)
-        self._wake.put(None)
 
     def _run(self) -> None:
         try:
@@ -165,7 +167,8 @@ class KeepAliveSession:
         finally:
             self._closed.set()
             self._lose_all(f"keepalive stream to {self.socket} ended")
-            self._channel.close()
+            # The stream ends when the daemon goes (or breaks): the next load connects anew.
+            retire(self.socket, self._channel)
 
     def _requests(self) -> Iterator[pb.KeepAliveRequest]:
         # Holds lease ids only, never a ClientLease: the generator's frame lives as long as

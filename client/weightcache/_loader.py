@@ -78,10 +78,11 @@ from weightcache.core.protocol import (
 )
 from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
 from weightcache.core.records import Acquisition, CudaIpcHandle, Environment
-from weightcache.core.rpc import call, connect
+from weightcache.core.rpc import call_shared
 from weightcache.core.sockets import default_socket
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.v1.weight_cache_service_pb2_grpc import WeightCacheServiceStub
 
 log = get_logger("weightcache")
 
@@ -222,12 +223,9 @@ class LoadedWeights:
 
 def release(socket: str, lease_id: str) -> None:
     """Release a lease; a daemon that is gone has released it already."""
-    try:
-        channel, stub = connect(socket)
-        with channel:
-            call(lambda: stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=RPC_TIMEOUT))
-    except DaemonUnavailableError:
-        pass
+    request = pb.ReleaseRequest(lease_id=lease_id)
+    with contextlib.suppress(DaemonUnavailableError):
+        call_shared(socket, lambda stub: stub.Release(request, timeout=RPC_TIMEOUT))
 
 
 def load(
@@ -628,9 +626,8 @@ def _acquire_with_wait(
 
 
 def _acquire_once(socket: str, request: pb.AcquireRequest) -> pb.AcquireResponse:
-    channel, stub = connect(socket)
-    with channel:
-        acquire: Callable[[], pb.AcquireResponse] = lambda: stub.Acquire(  # noqa: E731
-            request, timeout=RPC_TIMEOUT, wait_for_ready=False
-        )
-        return call(acquire)
+    def acquire(stub: WeightCacheServiceStub) -> pb.AcquireResponse:
+        reply: pb.AcquireResponse = stub.Acquire(request, timeout=RPC_TIMEOUT, wait_for_ready=False)
+        return reply
+
+    return call_shared(socket, acquire)

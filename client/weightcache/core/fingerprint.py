@@ -22,6 +22,9 @@ Content levels (the checkpoint part):
 
 from __future__ import annotations
 
+# rfc8785 sorts members by their UTF-16 code units (str.encode("utf-16-be")), whose codec
+# Python imports on first use: imported here, a worker's first load() does not pay it.
+import encodings.utf_16_be  # noqa: F401
 import hashlib
 import os
 from collections.abc import Mapping

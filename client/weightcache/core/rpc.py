@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
 
-from weightcache.core.errors import DaemonUnavailableError
+from weightcache.core.errors import DaemonUnavailableError, RemoteError
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
@@ -74,3 +76,83 @@ def call(fn: Callable[[], T]) -> T:
         from weightcache.core.protocol import from_rpc_error
 
         raise from_rpc_error(exc) from None
+
+
+class _Shared:
+    """This process's channels by socket; emptied in a forked child (a parent's channel
+    and its threads do not survive fork)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+        self.channels: dict[str, tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]] = {}
+
+
+_shared = _Shared()
+
+
+def shared(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
+    """This process's channel to the daemon at ``socket``: opened on first use (again in
+    a forked child, or after :func:`retire`), then kept, so that a process's loads, its
+    KeepAlive stream and its Releases share one connection instead of each connecting
+    (a unary call on a fresh channel took 1.2-1.8 ms here, on a connected one 0.6 ms).
+
+    Raises:
+        DaemonUnavailableError: no channel is open and no socket file exists at the path,
+            or it cannot be reached (:func:`connect`).
+    """
+    with _shared.lock:
+        if _shared.pid != os.getpid():
+            _shared.channels.clear()
+            _shared.pid = os.getpid()
+        opened = _shared.channels.get(socket)
+        if opened is None:
+            opened = _shared.channels[socket] = connect(socket)
+        return opened
+
+
+def retire(socket: str, channel: grpc.Channel) -> None:
+    """Close ``channel`` and, if it is still ``socket``'s shared channel, forget it: the
+    next :func:`shared` connects afresh rather than wait out the old channel's reconnect
+    backoff (gRPC's, up to two minutes) after the daemon went away."""
+    with _shared.lock:
+        opened = _shared.channels.get(socket)
+        if opened is not None and opened[0] is channel:
+            del _shared.channels[socket]
+    channel.close()
+
+
+def call_shared(socket: str, rpc: Callable[[pb_grpc.WeightCacheServiceStub], T]) -> T:
+    """Run ``rpc(stub)`` on the shared channel to ``socket`` as :func:`call` does. A
+    channel that does not reach the daemon is retired; one closed under the call (its
+    KeepAlive stream ended and retired it) is replaced and the call made once more.
+
+    Raises:
+        DaemonUnavailableError: as :func:`call`, or the socket file is missing, or the
+            channel closed under both attempts.
+        WeightCacheError: the daemon refused; the subclass matches its ErrorInfo reason
+            (:class:`RemoteError` for a status without one).
+    """
+    for attempt in range(2):
+        channel, stub = shared(socket)
+        try:
+            return call(functools.partial(rpc, stub))
+        except DaemonUnavailableError:
+            retire(socket, channel)
+            raise
+        except (ValueError, RemoteError) as exc:
+            # ValueError: invoked on a closed channel. A status without ErrorInfo (no
+            # daemon refusal) on a channel retired meanwhile: cancelled by the close.
+            closed = isinstance(exc, ValueError) or not _is_shared(socket, channel)
+            if not closed:
+                raise
+            retire(socket, channel)
+            if attempt:
+                raise DaemonUnavailableError(f"the channel to {socket} closed: {exc}") from None
+    raise AssertionError("unreachable")
+
+
+def _is_shared(socket: str, channel: grpc.Channel) -> bool:
+    with _shared.lock:
+        opened = _shared.channels.get(socket)
+        return opened is not None and opened[0] is channel
