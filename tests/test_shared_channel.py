@@ -5,6 +5,9 @@ out gRPC's reconnect backoff."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -15,6 +18,8 @@ from weightcache._lease import live_session
 from weightcache.core import rpc
 
 RETIRE_TIMEOUT = 10.0
+#: Seconds for a KeepAlive stream that was cancelled to have ended and said so.
+STREAM_SETTLE = 1.0
 
 
 def _shared_now(socket: str) -> object | None:
@@ -64,3 +69,30 @@ def test_a_worker_attaches_at_once_when_its_daemon_is_back_after_a_crash(
     assert (away["source"], away["fallback_reason"]["code"]) == ("disk", "DAEMON_UNAVAILABLE")
     assert back["ok"] and back["source"] == "cache", back
     assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)
+
+
+def test_a_call_that_times_out_leaves_the_channel_and_the_other_leases(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    """A daemon too slow to answer (stopped) makes a Release time out. The channel, which
+    carries the KeepAlive stream, is not retired for that: the other lease lives on."""
+    daemon = daemons.start([checkpoints.single])
+    first = weightcache.load(checkpoints.single, socket=daemon.socket, ttl=60.0)
+    # Short: its Release is lost to the stall, so the daemon ends it by its TTL instead.
+    second = weightcache.load(checkpoints.single, socket=daemon.socket, ttl=2.0)
+    channel = _shared_now(daemon.socket)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        second.close()  # its Release runs into RPC_TIMEOUT; a close says nothing of it
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    time.sleep(STREAM_SETTLE)  # a cancelled stream declares its leases lost at once
+
+    session = live_session(daemon.socket)
+    assert _shared_now(daemon.socket) is channel
+    assert session is not None and session.alive
+    assert first.lease is not None and first.lease.lost is None
+    again = weightcache.load(checkpoints.single, socket=daemon.socket)
+    assert again.source == "cache"
+    again.close()
+    first.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import os
 import threading
@@ -12,7 +11,7 @@ from typing import TypeVar
 
 import grpc
 
-from weightcache.core.errors import DaemonUnavailableError, RemoteError
+from weightcache.core.errors import DaemonUnavailableError, WeightCacheError
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
@@ -71,11 +70,15 @@ def call(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except grpc.RpcError as exc:
-        # Imported on a refusal only: the conversions import torch, and the admin
-        # commands (`weightcache health`, the probes) must start without it.
-        from weightcache.core.protocol import from_rpc_error
+        raise _error(exc) from None
 
-        raise from_rpc_error(exc) from None
+
+def _error(exc: grpc.RpcError) -> WeightCacheError:
+    # Imported on a refusal only: the conversions import torch, and the admin commands
+    # (`weightcache health`, the probes) must start without it.
+    from weightcache.core.protocol import from_rpc_error
+
+    return from_rpc_error(exc)
 
 
 class _Shared:
@@ -123,9 +126,13 @@ def retire(socket: str, channel: grpc.Channel) -> None:
 
 
 def call_shared(socket: str, rpc: Callable[[pb_grpc.WeightCacheServiceStub], T]) -> T:
-    """Run ``rpc(stub)`` on the shared channel to ``socket`` as :func:`call` does. A
-    channel that does not reach the daemon is retired; one closed under the call (its
-    KeepAlive stream ended and retired it) is replaced and the call made once more.
+    """Run ``rpc(stub)`` on the shared channel to ``socket`` as :func:`call` does.
+
+    A channel that could not reach the daemon (UNAVAILABLE from the transport, no
+    ErrorInfo) is retired; a deadline passed is not (the daemon may be slow, and the
+    channel carries the process's KeepAlive stream, which closing it would end). A call
+    on a channel retired meanwhile (closed, or CANCELLED by the close) is made once more
+    on a new one.
 
     Raises:
         DaemonUnavailableError: as :func:`call`, or the socket file is missing, or the
@@ -136,19 +143,24 @@ def call_shared(socket: str, rpc: Callable[[pb_grpc.WeightCacheServiceStub], T])
     for attempt in range(2):
         channel, stub = shared(socket)
         try:
-            return call(functools.partial(rpc, stub))
-        except DaemonUnavailableError:
-            retire(socket, channel)
-            raise
-        except (ValueError, RemoteError) as exc:
-            # ValueError: invoked on a closed channel. A status without ErrorInfo (no
-            # daemon refusal) on a channel retired meanwhile: cancelled by the close.
-            closed = isinstance(exc, ValueError) or not _is_shared(socket, channel)
-            if not closed:
+            return rpc(stub)
+        except ValueError as exc:
+            # grpc refuses to start a call on a closed channel; only retire closes one,
+            # and it first stops sharing it.
+            if _is_shared(socket, channel):
                 raise
-            retire(socket, channel)
-            if attempt:
-                raise DaemonUnavailableError(f"the channel to {socket} closed: {exc}") from None
+            failure: Exception = exc
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if code is grpc.StatusCode.CANCELLED and not _is_shared(socket, channel):
+                failure = exc
+            else:
+                err = _error(exc)
+                if isinstance(err, DaemonUnavailableError) and code is grpc.StatusCode.UNAVAILABLE:
+                    retire(socket, channel)
+                raise err from None
+        if attempt:
+            raise DaemonUnavailableError(f"the channel to {socket} closed: {failure}")
     raise AssertionError("unreachable")
 
 
