@@ -14,8 +14,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,23 @@ class RpcFailure:
     domain: str
     metadata: dict[str, str]
     message: str
+
+
+@contextlib.contextmanager
+def serve_on_unix(servicer: pb_grpc.WeightCacheServiceServicer, workers: int) -> Iterator[str]:
+    """Serve ``servicer`` (a stand-in daemon: a rogue or broken one) with ``workers``
+    threads on a Unix socket in a fresh short folder; yields the socket's path, then stops
+    the server and removes the folder."""
+    folder = tempfile.mkdtemp(prefix="wcr", dir="/tmp")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    pb_grpc.add_WeightCacheServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix:{folder}/d.sock")
+    server.start()
+    try:
+        yield f"{folder}/d.sock"
+    finally:
+        server.stop(None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def rpc_failure(exc: grpc.RpcError) -> RpcFailure:

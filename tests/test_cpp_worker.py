@@ -15,17 +15,14 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from safetensors import safe_open
 
@@ -40,6 +37,7 @@ from tests.support import (
     pb,
     pb_grpc,
     raw_bytes,
+    serve_on_unix,
     service_stub,
     wait_until,
 )
@@ -488,16 +486,11 @@ class Rogue:
 
 @pytest.fixture(scope="module")
 def rogue() -> Iterator[Rogue]:
-    folder = tempfile.mkdtemp(prefix="wcr", dir="/tmp")
     servicer = _RogueServicer()
-    # A worker holds one thread with its KeepAlive stream while it calls Release.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_WeightCacheServiceServicer_to_server(servicer, server)
-    server.add_insecure_port(f"unix:{folder}/d.sock")
-    server.start()
     arena = bytes(range(256)) * 2
     segment = f"/dev/shm/wctest-cpp-rogue-{uuid.uuid4().hex}"
-    try:
+    # A worker holds one thread with its KeepAlive stream while it calls Release.
+    with serve_on_unix(servicer, 4) as socket, _removed(segment):
         Path(segment).write_bytes(arena)
         good = pb.AcquireResponse(
             lease=pb.Lease(lease_id="rogue-lease", model="tiny", instance_id="rogue"),
@@ -511,12 +504,16 @@ def rogue() -> Iterator[Rogue]:
             ],
         )
         good.lease.ttl.FromSeconds(10)
-        yield Rogue(f"{folder}/d.sock", servicer, good, arena)
+        yield Rogue(socket, servicer, good, arena)
+
+
+@contextlib.contextmanager
+def _removed(path: str) -> Iterator[None]:
+    try:
+        yield
     finally:
-        server.stop(None)
-        shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(segment)
+            os.unlink(path)
 
 
 def _as_table(reply: pb.AcquireResponse) -> None:

@@ -39,7 +39,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +88,7 @@ from tests.support import (
     raw_bytes,
     rpc_failure,
     run_cli,
+    serve_on_unix,
     service_stub,
     shm_segments,
 )
@@ -853,42 +853,40 @@ ROGUE_PREFIX = "/dev/shm/wctest-rogue-"
 @pytest.fixture(scope="module")
 def rogue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rogue]:
     model = _write(tmp_path_factory.mktemp("rogue") / "tiny", _tiny())
-    folder = tempfile.mkdtemp(prefix="wcr", dir="/tmp")
     servicer = _RogueServicer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_WeightCacheServiceServicer_to_server(servicer, server)
-    server.add_insecure_port(f"unix:{folder}/d.sock")
-    server.start()
     tensors = _tiny()
     arena = bytearray(512)
     arena[0:24] = raw_bytes(tensors["w"]).numpy().tobytes()
     arena[256:280] = raw_bytes(tensors["ids"]).numpy().tobytes()
     segment = f"{ROGUE_PREFIX}{uuid.uuid4().hex}"
     scratch = [segment]
-    try:
-        Path(segment).write_bytes(bytes(arena))
-        with open_checkpoint(model) as checkpoint:
-            fp = compute_fingerprint(checkpoint, Recipe(), Placement(), DEFAULT_LEVEL)
-        good = pb.AcquireResponse(
-            lease=pb.Lease(lease_id="rogue-lease", model="tiny", instance_id="rogue"),
-            # The fingerprint the model has: an Acquire by file identity takes the reply.
-            model=pb.Model(name="tiny", state=pb.MODEL_STATE_READY, fingerprint=fingerprint_pb(fp)),
-            storage=pb.StorageHandle(shared_memory=pb.SharedMemoryHandle(path=segment, size=512)),
-            tensors=[
-                pb.TensorView(name="w", dtype="F32", shape=[6], stride=[1], byte_offset=0),
-                pb.TensorView(name="ids", dtype="I64", shape=[3], stride=[1], byte_offset=256),
-            ],
-        )
-        yield Rogue(f"{folder}/d.sock", servicer, model, segment, good, scratch)
-    finally:
-        server.stop(None)
-        shutil.rmtree(folder, ignore_errors=True)
-        for path in scratch:
-            with contextlib.suppress(FileNotFoundError):
-                if os.path.isdir(path) and not os.path.islink(path):
-                    os.rmdir(path)
-                else:
-                    os.unlink(path)
+    with serve_on_unix(servicer, 2) as socket:
+        try:
+            Path(segment).write_bytes(bytes(arena))
+            with open_checkpoint(model) as checkpoint:
+                fp = compute_fingerprint(checkpoint, Recipe(), Placement(), DEFAULT_LEVEL)
+            good = pb.AcquireResponse(
+                lease=pb.Lease(lease_id="rogue-lease", model="tiny", instance_id="rogue"),
+                # The fingerprint the model has: an Acquire by file identity takes the reply.
+                model=pb.Model(
+                    name="tiny", state=pb.MODEL_STATE_READY, fingerprint=fingerprint_pb(fp)
+                ),
+                storage=pb.StorageHandle(
+                    shared_memory=pb.SharedMemoryHandle(path=segment, size=512)
+                ),
+                tensors=[
+                    pb.TensorView(name="w", dtype="F32", shape=[6], stride=[1], byte_offset=0),
+                    pb.TensorView(name="ids", dtype="I64", shape=[3], stride=[1], byte_offset=256),
+                ],
+            )
+            yield Rogue(socket, servicer, model, segment, good, scratch)
+        finally:
+            for path in scratch:
+                with contextlib.suppress(FileNotFoundError):
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        os.rmdir(path)
+                    else:
+                        os.unlink(path)
 
 
 def _rogue_path(rogue: Rogue, kind: str) -> str:

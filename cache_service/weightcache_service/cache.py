@@ -35,9 +35,9 @@ from weightcache.core.errors import (
 from weightcache.core.fingerprint import (
     Fingerprint,
     Level,
+    cached_digests,
     compute_fingerprint,
     pending_fingerprint,
-    unhashed_shards,
 )
 from weightcache.core.protocol import MAX_ID_CHARS, MAX_PATH_CHARS, check_len
 from weightcache.core.recipe import Pipeline, Placement, Recipe
@@ -175,11 +175,14 @@ class WeightCache:
             checkpoint = open_checkpoint(path, check_file=check)
             try:
                 pipeline = recipe.build(checkpoint, placement)
-                if level == "full" and unhashed_shards(checkpoint):
+                known = cached_digests(checkpoint) if level == "full" else {}
+                if level == "full" and len(known) < len(checkpoint.shards):
                     # Hashed while the load copies them (weightcache_service.hashing).
                     fp = pending_fingerprint(checkpoint, pipeline, placement)
                 else:
-                    fp = compute_fingerprint(checkpoint, pipeline, placement, level)
+                    fp = compute_fingerprint(
+                        checkpoint, pipeline, placement, level, file_sha256=known
+                    )
             except BaseException:
                 checkpoint.close()
                 raise

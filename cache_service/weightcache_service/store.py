@@ -332,10 +332,8 @@ class Store:
             if entry.fingerprint.digest == fp.digest:
                 return _ready(entry)
         # A load still hashing its shards may turn out to be this model: not yet a miss.
-        for entry in candidates:
-            pending = entry.state == "loading" and entry.fingerprint.pending
-            if pending and entry.fingerprint.may_become(fp):
-                _ready(entry)
+        for entry in self.loading_as(fp):
+            _ready(entry)
         # A model of this path that the daemon failed to hold explains the miss better than
         # an unrelated held model that happens to share a layout.
         for entry in candidates:

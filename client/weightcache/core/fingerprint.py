@@ -141,15 +141,17 @@ def pending_fingerprint(
     return Fingerprint(digest="", level="full", components=components)
 
 
-def unhashed_shards(checkpoint: Checkpoint) -> list[str]:
-    """The shards whose sha256 the hash cache does not hold for their identity as opened
-    (:func:`weightcache.core.hashcache.cached_sha256`): what a level-``full`` fingerprint
-    would read in full.
+def cached_digests(checkpoint: Checkpoint) -> dict[str, str]:
+    """Shard name -> sha256, for the shards whose digest the hash cache holds for their
+    identity as opened (:func:`weightcache.core.hashcache.cached_sha256`); a shard missing
+    here is one a level-``full`` fingerprint would read in full. Pass it on as
+    :func:`compute_fingerprint`'s ``file_sha256``.
 
     Raises:
         InvalidCheckpointError: the checkpoint is closed.
     """
-    return [s.name for s in checkpoint.shards if cached_sha256(checkpoint.fd(s.name)) is None]
+    found = {s.name: cached_sha256(checkpoint.fd(s.name)) for s in checkpoint.shards}
+    return {name: digest for name, digest in found.items() if digest is not None}
 
 
 def _known_components(

@@ -67,7 +67,7 @@ def fd_sha256(
     cached = _lookup(entry)
     if cached is not None:
         return cached
-    digest = _hash(fd, path) if stop is None else _hash(fd, path, stop)
+    digest = _hash(fd, path, stop)
     _store(entry.parent, entry, digest)
     return digest
 
