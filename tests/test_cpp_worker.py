@@ -44,7 +44,7 @@ from tests.support import (
 from weightcache._trust import ENV_TRUSTED_UID, trusted_uids
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import HandleError, UntrustedSocketError
-from weightcache.core.protocol import tensor_table_pb, tensor_view_from_pb, view_rows_from_pb
+from weightcache.core.protocol import tensor_table_pb, tensor_view_from_pb, view_columns_from_pb
 from weightcache.testing import list_models
 
 # A cold build takes minutes on a loaded 2-core machine; `make test` builds it first.
@@ -637,7 +637,7 @@ def test_a_malformed_table_is_refused_as_by_the_python_sdk(
 
     _serve(rogue, f"lease-table-{case}", spoil)
     with pytest.raises(HandleError) as python:
-        view_rows_from_pb(rogue.servicer.reply)
+        view_columns_from_pb(rogue.servicer.reply)
 
     code, printed = _attach(cpp_worker, rogue)
 

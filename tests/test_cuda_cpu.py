@@ -46,7 +46,7 @@ from weightcache.core.errors import (
     WeightCacheError,
 )
 from weightcache.core.protocol import tensor_view_pb
-from weightcache.core.records import CudaIpcHandle, TensorView, ViewRow
+from weightcache.core.records import CudaIpcHandle, TensorView, ViewColumns
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import plan_slots
 from weightcache_service.cli import _parser
@@ -188,8 +188,8 @@ def _records() -> list[TensorView]:
     return [slot.view() for slot in slots]
 
 
-def _views() -> list[ViewRow]:
-    return [view.row() for view in _records()]
+def _views() -> ViewColumns:
+    return ViewColumns.of_rows(view.row() for view in _records())
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["zero_copy", "copy"])

@@ -11,6 +11,7 @@ import torch
 from tests.support import Checkpoints, run_cli
 from weightcache._handles import build_views
 from weightcache.core.checkpoint import INDEX_FILE, MAX_FILES, FileIdentity, open_checkpoint
+from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import HandleError, InvalidArgumentError
 from weightcache.core.fingerprint import (
     DEFAULT_LEVEL,
@@ -52,8 +53,8 @@ from weightcache.core.protocol import (
     tensor_views_pb,
     timestamp_from_pb,
     timestamp_pb,
+    view_columns_from_pb,
     view_nbytes,
-    view_rows_from_pb,
 )
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.records import (
@@ -265,8 +266,57 @@ def test_a_tensor_table_holds_the_same_views_as_the_list(fingerprint: Fingerprin
     assert list(table.tensor_table.ranks) == [3, 1, 0, 2]
     assert grant_from_pb(table) == grant
     rows = [v.row(view_nbytes(v)) for v in grant.tensors]
-    assert list(view_rows_from_pb(table)) == rows
-    assert list(view_rows_from_pb(acquire_response_pb(grant))) == rows
+    assert list(view_columns_from_pb(table).rows()) == rows
+    assert list(view_columns_from_pb(acquire_response_pb(grant)).rows()) == rows
+
+
+@pytest.mark.parametrize("tensor_format", ["views", "table"])
+def test_views_are_built_where_the_table_says(
+    fingerprint: Fingerprint, tensor_format: TensorFormat
+) -> None:
+    """Column by column (build_views' bulk path): each view's dtype, shape, stride and
+    address, a 0-d and an empty view included."""
+    grant = _grant(fingerprint)
+    reply = acquire_response_pb(grant, tensor_views_pb(grant.tensors, tensor_format))
+    base = torch.zeros(grant.storage.size, dtype=torch.uint8)
+
+    views = build_views(base, view_columns_from_pb(reply))
+
+    assert list(views) == ["w", "b", "s", "e"]
+    for want in grant.tensors:
+        got = views[want.name]
+        assert (got.dtype, tuple(got.shape), got.stride()) == (
+            TORCH_DTYPES[want.dtype],
+            want.shape,
+            want.stride,
+        )
+        # storage_offset, not data_ptr: torch says 0 for an empty tensor's address.
+        assert got.untyped_storage().data_ptr() == base.data_ptr()
+        assert got.storage_offset() * got.itemsize == want.byte_offset
+
+
+@pytest.mark.parametrize(
+    ("spoil", "detail"),
+    [
+        (lambda t: t.byte_offsets.__setitem__(3, 3), "tensor 'e': misaligned byte_offset 3"),
+        (lambda t: t.dtypes.__setitem__(3, "F7"), "tensor 'e': unknown dtype 'F7'"),
+        (lambda t: t.shape.__setitem__(3, 6), "tensor 'b': nbytes 20 is not its shape (6,)"),
+        (lambda t: t.byte_offsets.__setitem__(1, 1 << 20), "tensor 'b': reaches past the"),
+    ],
+    ids=["misaligned", "dtype", "nbytes", "past-the-end"],
+)
+def test_a_view_at_fault_is_named_after_the_bulk_path_refuses(
+    fingerprint: Fingerprint, spoil: Callable[[pb.TensorTable], object], detail: str
+) -> None:
+    grant = _grant(fingerprint)
+    reply = acquire_response_pb(grant, tensor_views_pb(grant.tensors, "table"))
+    spoil(reply.tensor_table)
+    base = torch.zeros(grant.storage.size, dtype=torch.uint8)
+
+    with pytest.raises(HandleError) as caught:
+        build_views(base, view_columns_from_pb(reply))
+
+    assert str(caught.value).startswith(detail)
 
 
 @pytest.mark.parametrize(
@@ -289,7 +339,7 @@ def test_a_malformed_tensor_table_is_a_handle_error(
     spoil(reply.tensor_table)
 
     with pytest.raises(HandleError) as caught:
-        view_rows_from_pb(reply)
+        view_columns_from_pb(reply)
 
     assert caught.value.reason == "INVALID_HANDLE"
     assert detail in str(caught.value)
@@ -387,7 +437,7 @@ def test_a_view_whose_nbytes_disagrees_with_its_shape_is_a_handle_error(
         reply.tensors[1].nbytes = 10
 
     with pytest.raises(HandleError) as caught:
-        build_views(torch.zeros(grant.storage.size, dtype=torch.uint8), view_rows_from_pb(reply))
+        build_views(torch.zeros(grant.storage.size, dtype=torch.uint8), view_columns_from_pb(reply))
 
     assert caught.value.reason == "INVALID_HANDLE"
     assert str(caught.value) == (
@@ -408,4 +458,4 @@ def test_views_without_nbytes_from_an_older_daemon_are_read_as_before(
     assert grant_from_pb(table) == grant_from_pb(views) == grant
     table.tensor_table.nbytes.append(8)  # one entry, four tensors
     with pytest.raises(HandleError, match="nbytes does not hold one entry per tensor"):
-        view_rows_from_pb(table)
+        view_columns_from_pb(table)

@@ -12,6 +12,7 @@ matches (:mod:`weightcache.core.cuda`); the views are device tensors over that m
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 import stat
 import weakref
@@ -23,7 +24,7 @@ import torch
 from weightcache.core.cuda import local_index, open_ipc
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import HandleError
-from weightcache.core.records import CudaIpcHandle, SharedMemoryHandle, ViewRow
+from weightcache.core.records import CudaIpcHandle, SharedMemoryHandle, ViewColumns, ViewRow
 from weightcache.core.sockets import SHM_DIR
 
 
@@ -89,7 +90,7 @@ class MappedArena:
 
 def open_shared_memory(
     handle: SharedMemoryHandle,
-    views: Iterable[ViewRow],
+    views: ViewColumns,
     *,
     copy: bool,
     owner: int | None = None,
@@ -128,7 +129,7 @@ def open_shared_memory(
     return MappedArena(tensors=build_views(base, views), base=base, size=size)
 
 
-def open_cuda_ipc(handle: CudaIpcHandle, views: Iterable[ViewRow], *, copy: bool) -> MappedArena:
+def open_cuda_ipc(handle: CudaIpcHandle, views: ViewColumns, *, copy: bool) -> MappedArena:
     """Open a CUDA IPC arena on the local device with the handle's UUID.
 
     Args:
@@ -171,39 +172,93 @@ def _open_regular(path: str) -> int:
     return fd
 
 
-def build_views(base: torch.Tensor, views: Iterable[ViewRow]) -> dict[str, torch.Tensor]:
+def build_views(base: torch.Tensor, views: ViewColumns) -> dict[str, torch.Tensor]:
     """Build one tensor per view of a 1-D ``uint8`` tensor holding the arena.
 
     The bounds are torch's own: ``torch.as_strided`` refuses a view that reaches past its
     storage (``checkInBoundsForStorage``), a negative size or stride, or a stride list of
-    another length than the shape; its refusal becomes a :class:`HandleError` naming the
-    tensor. What torch does not check of a view (its byte offset's alignment and, for an
-    empty view, its place) is checked here, and so is the byte length the daemon sent
-    (``nbytes``, when not 0: a daemon and a client that disagree on a dtype's size would
-    read other bytes than the daemon wrote). Per view, only that is done: at tens of
-    thousands of tensors the view itself is most of the time.
+    another length than the shape. What torch does not check of a view (its byte offset's
+    alignment and, for an empty view, its place) is checked here, and so is the byte
+    length the daemon sent (``nbytes``, when not 0: a daemon and a client that disagree on
+    a dtype's size would read other bytes than the daemon wrote).
+
+    The views are built column by column (:func:`_bulk_views`: one ``torch.as_strided``
+    per tensor and nothing else per tensor at the Python level), their checks done over
+    whole columns. Only when a check fails are the views built again one by one
+    (:func:`_checked_views`), to name the tensor at fault.
 
     Raises:
         HandleError: a view has an unknown dtype, a misaligned offset, a stride list of the
             wrong length, a negative size or stride, reaches past the end of the arena, or
             has a non-zero ``nbytes`` other than its elements times its dtype's size.
     """
+    try:
+        built = _bulk_views(base, views)
+    except (KeyError, RuntimeError, ValueError, TypeError, OverflowError):
+        built = None  # a view torch refuses, or an unknown dtype: named below
+    return _checked_views(base, views.rows()) if built is None else built
+
+
+def _bulk_views(base: torch.Tensor, views: ViewColumns) -> dict[str, torch.Tensor] | None:
+    """The views, or None when a column-wide check fails.
+
+    Raises:
+        KeyError: a dtype is unknown.
+        RuntimeError, ValueError, TypeError, OverflowError: torch refuses a view.
+    """
+    size = base.numel()
+    if not views.names:
+        return {}
+    typed = {dtype: _typed(base, TORCH_DTYPES[dtype]) for dtype in set(views.dtypes)}
+    items = [typed[dtype][1] for dtype in views.dtypes]
+    offsets = views.byte_offsets
+    if min(offsets) < 0 or max(offsets) > size or any(map(operator.mod, offsets, items)):
+        return None
+    # Generators, not lists: each tensor's sizes and strides are made, used and freed in
+    # turn (a list of them all took fresh memory, whose page faults cost more than them).
+    cuts = list(views.cuts())
+    built = list(
+        map(
+            torch.as_strided,
+            (typed[dtype][0] for dtype in views.dtypes),
+            map(views.shape.__getitem__, cuts),
+            map(views.stride.__getitem__, cuts),
+            map(operator.floordiv, offsets, items),
+        )
+    )
+    got = list(map(_NBYTES, built))
+    if got != views.nbytes and any(n and g != n for g, n in zip(got, views.nbytes, strict=True)):
+        return None
+    return dict(zip(views.names, built, strict=True))
+
+
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def _checked_views(base: torch.Tensor, views: Iterable[ViewRow]) -> dict[str, torch.Tensor]:
+    """The views built and checked one at a time: the first one at fault is named.
+
+    Raises:
+        HandleError: as :func:`build_views`.
+    """
     typed: dict[str, tuple[torch.Tensor, int]] = {}
     out: dict[str, torch.Tensor] = {}
     size = base.numel()
-    as_strided = torch.as_strided
     for row in views:
         name, dtype, shape, stride, offset, nbytes = row
-        arena, item = typed.get(dtype) or _typed(base, dtype, name, typed)
+        if dtype not in typed:
+            if dtype not in TORCH_DTYPES:
+                raise HandleError(f"tensor {name!r}: unknown dtype {dtype!r}")
+            typed[dtype] = _typed(base, TORCH_DTYPES[dtype])
+        arena, item = typed[dtype]
         if offset % item:
             raise HandleError(f"tensor {name!r}: misaligned byte_offset {offset}")
         if not 0 <= offset <= size:
             raise HandleError(f"tensor {name!r}: reaches past the {size}-byte arena")
         try:
-            out[name] = view = as_strided(arena, shape, stride, offset // item)
+            out[name] = view = torch.as_strided(arena, shape, stride, offset // item)
         except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
             raise _view_error(row, size, exc) from None
-        # Checked on the view (torch's own count, about 0.1 us), not by a product per row.
         if nbytes and view.nbytes != nbytes:
             raise HandleError(
                 f"tensor {name!r}: nbytes {nbytes} is not its shape {shape} times the "
@@ -212,16 +267,10 @@ def build_views(base: torch.Tensor, views: Iterable[ViewRow]) -> dict[str, torch
     return out
 
 
-def _typed(
-    base: torch.Tensor, dtype: str, name: str, typed: dict[str, tuple[torch.Tensor, int]]
-) -> tuple[torch.Tensor, int]:
+def _typed(base: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """The arena viewed as ``dtype`` (its whole elements), and the dtype's item size."""
-    torch_dtype = TORCH_DTYPES.get(dtype)
-    if torch_dtype is None:
-        raise HandleError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    item = torch_dtype.itemsize
-    typed[dtype] = (base[: base.numel() - base.numel() % item].view(torch_dtype), item)
-    return typed[dtype]
+    item = dtype.itemsize
+    return base[: base.numel() - base.numel() % item].view(dtype), item
 
 
 def _view_error(row: ViewRow, size: int, exc: Exception) -> HandleError:

@@ -35,6 +35,7 @@ from typing import ClassVar, Literal, Union, Unpack
 
 import torch
 
+from weightcache import _sharing
 from weightcache._handles import MappedArena, open_cuda_ipc, open_shared_memory
 from weightcache._lease import (
     ClientLease,
@@ -57,6 +58,7 @@ from weightcache.core.checkpoint import (
 from weightcache.core.errors import (
     DaemonUnavailableError,
     FingerprintMismatchError,
+    HandleError,
     LeaseLostError,
     ModelLoadingError,
     WeightCacheError,
@@ -74,10 +76,17 @@ from weightcache.core.protocol import (
     fingerprint_from_pb,
     lease_from_pb,
     storage_from_pb,
-    view_rows_from_pb,
+    view_columns_from_pb,
 )
 from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
-from weightcache.core.records import Acquisition, CudaIpcHandle, Environment
+from weightcache.core.records import (
+    Acquisition,
+    CudaIpcHandle,
+    Environment,
+    SharedMemoryHandle,
+    StorageHandle,
+    ViewColumns,
+)
 from weightcache.core.rpc import call_shared
 from weightcache.core.sockets import default_socket
 from weightcache.core.version import __version__
@@ -160,6 +169,8 @@ class LoadedWeights:
         self.lease = lease
         self.socket = socket
         self.model = model
+        # The lease's sharing among this process's loads, for a shared-memory lease.
+        self._shared: _sharing.SharedLease | None = None
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -208,17 +219,25 @@ class LoadedWeights:
         lease, self.lease = self.lease, None
         if lease is None or self.socket is None:
             return
-        session = live_session(self.socket)
-        if session is not None:
-            session.remove(lease.lease_id)
-        if lease.lost is None and not lease.revoked:
-            release(self.socket, lease.lease_id)
+        # A lease other loads of this process still share is ended by the last of them.
+        if self._shared is None or self._shared.leave(self._arena):
+            end_lease(self.socket, lease)
 
     def __enter__(self) -> LoadedWeights:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def end_lease(socket: str, lease: ClientLease) -> None:
+    """Stop renewing a lease and release it, unless it was lost or revoked (then the
+    daemon has ended it)."""
+    session = live_session(socket)
+    if session is not None:
+        session.remove(lease.lease_id)
+    if lease.lost is None and not lease.revoked:
+        release(socket, lease.lease_id)
 
 
 def release(socket: str, lease_id: str) -> None:
@@ -521,6 +540,11 @@ class _Attach:
         checkpoint: Checkpoint | Path,
     ) -> LoadedWeights:
         owner = self._check_socket()
+        # The options and the request (its id not yet set) say which answer is wanted.
+        key = (self, request.SerializeToString(deterministic=True))
+        if self.mode == "zero_copy" and (held := _sharing.take(key)) is not None:
+            return self._join(held, owner, checkpoint)
+        request.request_id = uuid.uuid4().hex
         reply = _acquire_with_wait(
             self.socket, request, self.wait_timeout, wait_for_daemon=self.wait_for_daemon
         )
@@ -528,7 +552,7 @@ class _Attach:
         lease_id = lease.lease_id
         try:
             fp = fingerprint_of(reply)
-            arena = self._map(reply, owner)
+            arena, storage, views = self._map(reply, owner)
         except BaseException:
             # Any failure to map gives the lease back at once (not after its TTL); a failed
             # release must not hide why the mapping failed.
@@ -560,7 +584,47 @@ class _Attach:
             on_revoke=self.on_revoke,
             privatize=arena.privatize,
         )
+        if isinstance(storage, SharedMemoryHandle):
+            answer = _sharing.Answer(storage, views, owner, fp, reply.model.name, weights.metadata)
+            weights._shared = _sharing.share(key, weights.lease, answer, arena)
         session_for(self.socket).add(weights.lease)
+        return weights
+
+    def _join(
+        self, held: _sharing.SharedLease, owner: int, checkpoint: Checkpoint | Path
+    ) -> LoadedWeights:
+        """Map the arena of a lease this process holds for the same request, and share
+        the lease (:mod:`weightcache._sharing`).
+
+        Raises:
+            HandleError: the segment cannot be mapped (:func:`open_shared_memory`), or the
+                socket's owner is not the one the lease was granted by.
+        """
+        answer = held.answer
+        try:
+            if owner != answer.owner:
+                raise HandleError(
+                    f"the daemon socket {self.socket} now belongs to uid {owner}, not "
+                    f"{answer.owner}, which granted this process's lease"
+                )
+            arena = open_shared_memory(answer.storage, answer.views, copy=False, owner=owner)
+        except BaseException:
+            if held.leave(None):
+                end_lease(self.socket, held.lease)
+            raise
+        held.join(arena)
+        weights = LoadedWeights(
+            arena.tensors,
+            arena=arena,
+            source="cache",
+            fingerprint=answer.fingerprint,
+            checkpoint=checkpoint,
+            socket=self.socket,
+            model=answer.model,
+            metadata=dict(answer.metadata),
+            lease=held.lease,
+        )
+        weights._shared = held
         return weights
 
     def _check_socket(self) -> int:
@@ -577,15 +641,23 @@ class _Attach:
                     raise DaemonUnavailableError(f"no daemon socket at {self.socket}") from None
                 time.sleep(RETRY_INTERVAL)
 
-    def _map(self, reply: pb.AcquireResponse, owner: int) -> MappedArena:
-        # Decoded here, inside run()'s release-on-failure: a handle this SDK cannot read
-        # (HandleError) must give the lease back, not leave it to expire.
+    def _map(
+        self, reply: pb.AcquireResponse, owner: int
+    ) -> tuple[MappedArena, StorageHandle, ViewColumns]:
+        """The reply's arena mapped, with its handle and views as decoded.
+
+        Raises:
+            HandleError, DeviceNotVisibleError, CudaError: the handle or a view cannot be
+                decoded or opened here.
+        """
+        # Decoded here, inside the caller's release-on-failure: a handle this SDK cannot
+        # read (HandleError) must give the lease back, not leave it to expire.
         storage = storage_from_pb(reply.storage)
-        views = view_rows_from_pb(reply)  # tuples, from columns: no record per tensor
+        views = view_columns_from_pb(reply)  # columns: no tuple or record per tensor
         copy = self.mode == "copy"
         if isinstance(storage, CudaIpcHandle):
-            return open_cuda_ipc(storage, views, copy=copy)
-        return open_shared_memory(storage, views, copy=copy, owner=owner)
+            return open_cuda_ipc(storage, views, copy=copy), storage, views
+        return open_shared_memory(storage, views, copy=copy, owner=owner), storage, views
 
 
 def _acquire_request(
@@ -593,7 +665,7 @@ def _acquire_request(
 ) -> pb.AcquireRequest:
     return acquire_request_pb(
         Acquisition(
-            request_id=uuid.uuid4().hex,
+            request_id="",  # set by _Attach._acquire, after the sharing key
             fingerprint=fp,
             checkpoint_path=str(root),
             files=files or {},

@@ -11,7 +11,7 @@ list sizes) run while decoding and raise :class:`InvalidArgumentError` with
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2, timestamp_pb2
@@ -50,7 +50,7 @@ from weightcache.core.records import (
     StorageHandle,
     TensorFormat,
     TensorView,
-    ViewRow,
+    ViewColumns,
 )
 from weightcache.core.tp import TPPlan, over_bounds
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -461,24 +461,22 @@ def tensor_table_pb(views: Iterable[TensorView]) -> pb.TensorTable:
     return table
 
 
-def view_rows_from_pb(response: pb.AcquireResponse) -> Iterator[ViewRow]:
+def view_columns_from_pb(response: pb.AcquireResponse) -> ViewColumns:
     """The tensor views of an Acquire response, from its ``tensor_table`` when set, else
-    from its ``tensors``, as plain tuples (each checked against the arena, and against its
+    from its ``tensors``, as columns (each view checked against the arena, and against its
     ``nbytes``, when used: :func:`weightcache._handles.build_views`).
 
-    The table's columns are copied out in bulk and its shape checked here, before any view:
-    a row per tensor then costs a few slices, not a message of five fields.
+    The table's columns are copied out in bulk and its shape checked here, before any
+    view: no object is made per tensor but its name.
 
     Raises:
         HandleError: the table's per-tensor columns differ in length (``nbytes`` may also
             be empty), ``shape`` or ``stride`` does not hold ``sum(ranks)`` entries, or a
-            ``dtype_index`` is past the end of ``dtypes``.
+            ``dtype_index`` is past the end of ``dtypes``; in the ``views`` format, a
+            view's stride list is of another length than its shape.
     """
     if not response.HasField("tensor_table"):
-        return (
-            (v.name, v.dtype, tuple(v.shape), tuple(v.stride), v.byte_offset, v.nbytes)
-            for v in response.tensors
-        )
+        return _columns_of_views(response.tensors)
     table = response.tensor_table
     names, index, ranks = list(table.names), list(table.dtype_index), list(table.ranks)
     offsets, shape, stride = list(table.byte_offsets), list(table.shape), list(table.stride)
@@ -495,18 +493,26 @@ def view_rows_from_pb(response: pb.AcquireResponse) -> Iterator[ViewRow]:
     dtypes = list(table.dtypes)
     if index and max(index) >= len(dtypes):
         raise HandleError(f"tensor table: a dtype_index is past the {len(dtypes)} dtypes")
-    per_tensor = zip(names, [dtypes[i] for i in index], ranks, offsets, nbytes, strict=True)
-    return _table_rows(per_tensor, shape, stride)
+    return ViewColumns(
+        names, list(map(dtypes.__getitem__, index)), ranks, shape, stride, offsets, nbytes
+    )
 
 
-def _table_rows(
-    per_tensor: Iterable[tuple[str, str, int, int, int]], shape: list[int], stride: list[int]
-) -> Iterator[ViewRow]:
-    start = 0
-    for name, dtype, rank, offset, nbytes in per_tensor:
-        end = start + rank
-        yield name, dtype, tuple(shape[start:end]), tuple(stride[start:end]), offset, nbytes
-        start = end
+def _columns_of_views(views: Iterable[pb.TensorView]) -> ViewColumns:
+    """The columns of a list of TensorView messages (the ``views`` format).
+
+    Raises:
+        HandleError: a view's stride list is of another length than its shape.
+    """
+    for view in views:
+        if len(view.stride) != len(view.shape):
+            raise HandleError(
+                f"tensor {view.name!r}: shape {tuple(view.shape)} and stride "
+                f"{tuple(view.stride)} disagree"
+            )
+    return ViewColumns.of_rows(
+        (v.name, v.dtype, tuple(v.shape), tuple(v.stride), v.byte_offset, v.nbytes) for v in views
+    )
 
 
 def storage_pb(handle: StorageHandle) -> pb.StorageHandle:
@@ -673,7 +679,7 @@ def grant_from_pb(response: pb.AcquireResponse) -> Grant:
 
     Raises:
         HandleError: the storage handle is of an unknown kind, or the tensor table is
-            malformed (:func:`view_rows_from_pb`).
+            malformed (:func:`view_columns_from_pb`).
         InvalidArgumentError: the model is malformed (:func:`model_from_pb`).
         RecipeError: the model's recipe or placement is invalid.
     """
@@ -681,7 +687,7 @@ def grant_from_pb(response: pb.AcquireResponse) -> Grant:
         lease=lease_from_pb(response.lease),
         model=model_from_pb(response.model),
         storage=storage_from_pb(response.storage),
-        tensors=tuple(TensorView(*row[:5]) for row in view_rows_from_pb(response)),
+        tensors=tuple(TensorView(*row[:5]) for row in view_columns_from_pb(response).rows()),
         environment=environment_from_pb(response.environment),
     )
 

@@ -8,6 +8,8 @@ messages and back. Times are wall-clock seconds since the Unix epoch; durations 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,9 +52,68 @@ class TensorView:
 
 #: A tensor view as a plain tuple ``(name, dtype, shape, stride, byte_offset, nbytes)``, the
 #: fields of :class:`TensorView` in order and the byte length the daemon sent (the wire's
-#: ``nbytes``; 0 when it sent none): what the attach path builds tensors from, one per
-#: tensor, without a record each.
+#: ``nbytes``; 0 when it sent none): one row of :class:`ViewColumns`, what the attach path
+#: checks one at a time to name a view at fault.
 ViewRow = tuple[str, str, tuple[int, ...], tuple[int, ...], int, int]
+
+
+@dataclass(frozen=True)
+class ViewColumns:
+    """Tensor views as columns, as the wire's ``TensorTable`` holds them: entry ``i`` of
+    each per-tensor column describes tensor ``i``, and its sizes and strides are the next
+    ``ranks[i]`` entries of ``shape`` and ``stride``. The attach path builds its tensors
+    column by column (:func:`weightcache._handles.build_views`), without a tuple or record
+    per tensor.
+
+    Attributes:
+        names: tensor names.
+        dtypes: safetensors dtype names (``"BF16"``, ``"F32"``...).
+        ranks: each tensor's number of dimensions.
+        shape: every tensor's sizes, in elements, one after the other.
+        stride: every tensor's strides, in elements, one after the other.
+        byte_offsets: each tensor's first element, in bytes from the arena's start.
+        nbytes: each tensor's byte length as the daemon sent it (0: none to check).
+    """
+
+    names: Sequence[str]
+    dtypes: Sequence[str]
+    ranks: Sequence[int]
+    shape: Sequence[int]
+    stride: Sequence[int]
+    byte_offsets: Sequence[int]
+    nbytes: Sequence[int]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def cuts(self) -> Iterator[slice]:
+        """Each tensor's slice of ``shape`` and ``stride``, in order."""
+        starts = itertools.chain((0,), itertools.accumulate(self.ranks))
+        return map(slice, starts, itertools.accumulate(self.ranks))
+
+    def rows(self) -> Iterator[ViewRow]:
+        """The views one :data:`ViewRow` at a time, in order."""
+        per_tensor = zip(
+            self.names, self.dtypes, self.cuts(), self.byte_offsets, self.nbytes, strict=True
+        )
+        for name, dtype, cut, offset, nbytes in per_tensor:
+            yield name, dtype, tuple(self.shape[cut]), tuple(self.stride[cut]), offset, nbytes
+
+    @classmethod
+    def of_rows(cls, rows: Iterable[ViewRow]) -> ViewColumns:
+        """The columns of ``rows``."""
+        listed = list(rows)
+        return cls(
+            names=[row[0] for row in listed],
+            dtypes=[row[1] for row in listed],
+            ranks=[len(row[2]) for row in listed],
+            shape=[size for row in listed for size in row[2]],
+            stride=[step for row in listed for step in row[3]],
+            byte_offsets=[row[4] for row in listed],
+            nbytes=[row[5] for row in listed],
+        )
+
+
 #: How an Acquire response lists its tensors (the wire's ``TensorFormat``).
 TensorFormat = Literal["views", "table"]
 

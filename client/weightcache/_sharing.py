@@ -1,0 +1,154 @@
+"""Leases shared within a process: a ``load()`` that would send the very Acquire an open
+one sent maps the daemon's arena again under the lease this process already holds.
+
+Why it is safe to skip the Acquire: the daemon's answer cannot have changed. A lease pins
+its model (no evict or replacement while held) and the answer depends on the request and
+the model alone: the same files, by identity (device, inode, size, mtime, ctime), or the
+same fingerprint, with the same recipe, placement, level and TTL. What is shared is the
+lease, never the tensors: each load maps the arena anew (``MAP_PRIVATE``), so a write
+through one load's tensors is not seen through another's (:mod:`weightcache._handles`).
+
+Why it is worth it: an Acquire is a round trip through gRPC, about 1.5 ms on a 2-CPU host,
+most of a repeated ``load()`` of a few hundred tensors (bench/README.md, ``repeat_load.py``).
+
+A lease is shared only while it is live (not lost, not revoked), only among loads of
+shared memory with the same lease options (``ttl``, ``lease_policy``, ``on_lease_lost``,
+``on_revoke``, ``trusted_uid``), and is released when the last load sharing it closes. A
+revoke with ``on_revoke="copy"`` makes the mapping of every load that still shares it
+private.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from weightcache._handles import MappedArena
+from weightcache._lease import ClientLease
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.records import SharedMemoryHandle, ViewColumns
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a load needs of the daemon's answer to map the arena again.
+
+    Attributes:
+        storage: the arena's segment and size in bytes.
+        views: the tensors' views of it.
+        owner: uid the segment must belong to (the daemon's).
+        fingerprint: the model's fingerprint, as the daemon sent it.
+        model: the model's name.
+        metadata: its checkpoint's ``__metadata__``.
+    """
+
+    storage: SharedMemoryHandle
+    views: ViewColumns
+    owner: int
+    fingerprint: Fingerprint
+    model: str
+    metadata: dict[str, str]
+
+
+class SharedLease:
+    """One lease and the arenas of the loads that use it.
+
+    Args:
+        key: the request and lease options it answers (:func:`find`).
+        lease: the lease.
+        answer: the daemon's answer to map again.
+    """
+
+    def __init__(self, key: Hashable, lease: ClientLease, answer: Answer) -> None:
+        self.key = key
+        self.lease = lease
+        self.answer = answer
+        self._users = 0
+        # Weak: an arena goes when its load's tensors go; the lease must not keep it mapped.
+        self._arenas: dict[int, weakref.ref[MappedArena]] = {}
+
+    @property
+    def live(self) -> bool:
+        """Whether the lease may be shared: not lost, not revoked."""
+        return self.lease.lost is None and not self.lease.revoked
+
+    def join(self, arena: MappedArena) -> None:
+        """Count ``arena`` among those to make private on a revoke (its load was counted
+        a user by :func:`take` or :func:`share`)."""
+        with _registry.lock:
+            self._arenas[id(arena)] = weakref.ref(arena)
+
+    def leave(self, arena: MappedArena | None) -> bool:
+        """A load stops using the lease (``arena``: its mapping, None if it made none);
+        True when it was the last: the lease is then no longer shared, and is to be
+        released."""
+        with _registry.lock:
+            if arena is not None:
+                self._arenas.pop(id(arena), None)
+            self._users -= 1
+            if self._users:
+                return False
+            if _registry.leases.get(self.key) is self:
+                del _registry.leases[self.key]
+            return True
+
+    def privatize(self) -> None:
+        """Make every user's mapping private (``on_revoke="copy"``,
+        :meth:`MappedArena.privatize`).
+
+        Raises:
+            RuntimeError, OSError: copying an arena failed (those before it are private).
+        """
+        with _registry.lock:
+            arenas = [ref() for ref in self._arenas.values()]
+        for arena in arenas:
+            if arena is not None:
+                arena.privatize()
+
+
+class _Registry:
+    """This process's shared leases by key; emptied in a forked child (its leases are the
+    parent's, renewed by the parent's KeepAlive thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+        self.leases: dict[Hashable, SharedLease] = {}
+
+    def current(self) -> dict[Hashable, SharedLease]:
+        """The leases, emptied first in a forked child (call under ``lock``)."""
+        if self.pid != os.getpid():
+            self.leases.clear()
+            self.pid = os.getpid()
+        return self.leases
+
+
+_registry = _Registry()
+
+
+def take(key: Hashable) -> SharedLease | None:
+    """The live lease that answers ``key`` (the socket, the Acquire request without its id,
+    and the lease options), counted one user more, if this process holds one. The caller
+    calls :meth:`SharedLease.join` once it mapped the arena, and :meth:`SharedLease.leave`
+    when done with it (or when the mapping failed)."""
+    with _registry.lock:
+        shared = _registry.current().get(key)
+        if shared is None or not shared.live:
+            return None
+        shared._users += 1
+        return shared
+
+
+def share(key: Hashable, lease: ClientLease, answer: Answer, arena: MappedArena) -> SharedLease:
+    """Register a lease just granted for ``key``, used by ``arena``'s load (its first
+    user); its ``privatize`` becomes that of every load sharing it."""
+    shared = SharedLease(key, lease, answer)
+    shared._users = 1
+    shared.join(arena)
+    lease.privatize = shared.privatize
+    with _registry.lock:
+        _registry.current()[key] = shared
+    return shared
