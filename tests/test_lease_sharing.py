@@ -5,6 +5,7 @@ the other."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import weightcache
 from tests.fault_support import Children, evict, list_models
+from tests.fault_worker import segment_maps
 from tests.support import Checkpoints, DaemonPool, get_model, wait_until
 from weightcache.testing.checkpoints import assert_bitwise_equal
 from weightcache.testing.protocol import tensor_digest
@@ -146,4 +148,59 @@ def test_a_revoke_makes_every_sharing_load_private(
     mappings = kid.request("maps")["maps"]
     assert [(m["path"], m["deleted"]) for m in mappings] == [(segment, True)] * 2
     for mapping in mappings:
-        assert mapping["Private_Dirty"] == mapping["Rss"] == mapping["Size"] > 0, mapping
+        # Anonymous: copied into this process (the segment's own pages count as dirty too).
+        assert mapping["Anonymous"] == mapping["Rss"] == mapping["Size"] > 0, mapping
+
+
+def test_weights_dropped_without_close_are_still_copied_on_a_revoke(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single], args=["--drain-timeout", "60"])
+    weights = weightcache.load(checkpoints.single, socket=daemon.socket, on_revoke="copy")
+    tensors, lease = weights.tensors, weights.lease
+    assert lease is not None
+    [segment] = daemon.segments()
+    del weights
+    gc.collect()
+
+    evict(daemon.socket, "single", force=True)
+    wait_until(lambda: lease.revoked, REVOKE_TIMEOUT)
+
+    [mapping] = [m for m in segment_maps() if m["path"] == segment]
+    assert mapping["Anonymous"] == mapping["Rss"] == mapping["Size"] > 0, mapping
+    assert_bitwise_equal(tensors, checkpoints.tensors)
+
+
+class _Callback:
+    """A lease-loss callback that compares equal to any other and cannot be hashed."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Callback)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __call__(self, error: weightcache.LeaseLostError) -> None:
+        self.calls += 1
+
+
+def test_each_loss_callback_object_holds_its_own_lease(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    """By identity: an unhashable callback is fine, and two equal callbacks are two."""
+    daemon = daemons.start([checkpoints.single])
+    callbacks = [_Callback(), _Callback()]
+    loads = [
+        weightcache.load(checkpoints.single, socket=daemon.socket, on_lease_lost=callback)
+        for callback in (*callbacks, callbacks[0])
+    ]
+
+    assert [w.source for w in loads] == ["cache"] * 3
+    assert loads[0].lease is loads[2].lease
+    assert loads[1].lease is not loads[0].lease
+    assert _leases(daemon.socket, "single") == 2
+    for weights in loads:
+        weights.close()
+    assert _leases(daemon.socket, "single") == 0

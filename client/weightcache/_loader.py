@@ -24,11 +24,12 @@ a bad recipe (:class:`RecipeError`); loading from disk cannot fix those.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Union, Unpack
@@ -215,7 +216,9 @@ class LoadedWeights:
             self._arena.track(tensor)
 
     def close(self) -> None:
-        """End the lease, if any (idempotent). Zero-copy tensors stay readable on CPU."""
+        """Be done with the weights (idempotent): end the lease, if any, unless other
+        loads of this process still share it (the last of them to close ends it).
+        Zero-copy tensors stay readable on CPU."""
         lease, self.lease = self.lease, None
         if lease is None or self.socket is None:
             return
@@ -540,8 +543,7 @@ class _Attach:
         checkpoint: Checkpoint | Path,
     ) -> LoadedWeights:
         owner = self._check_socket()
-        # The options and the request (its id not yet set) say which answer is wanted.
-        key = (self, request.SerializeToString(deterministic=True))
+        key = self._sharing_key(request)
         if self.mode == "zero_copy" and (held := _sharing.take(key)) is not None:
             return self._join(held, owner, checkpoint)
         request.request_id = uuid.uuid4().hex
@@ -584,11 +586,20 @@ class _Attach:
             on_revoke=self.on_revoke,
             privatize=arena.privatize,
         )
-        if isinstance(storage, SharedMemoryHandle):
-            answer = _sharing.Answer(storage, views, owner, fp, reply.model.name, weights.metadata)
-            weights._shared = _sharing.share(key, weights.lease, answer, arena)
         session_for(self.socket).add(weights.lease)
+        if isinstance(storage, SharedMemoryHandle):
+            metadata = dict(reply.model.metadata)
+            answer = _sharing.Answer(storage, views, owner, fp, reply.model.name, metadata)
+            weights._shared = _sharing.share(key, weights.lease, answer, arena)
         return weights
+
+    def _sharing_key(self, request: pb.AcquireRequest) -> Hashable:
+        """Which shared lease would answer ``request`` (its ``request_id`` not yet set)
+        under these options: the request's bytes and the options, ``on_lost`` by identity
+        (a callable need not be hashable, and two equal callbacks are two to call; the
+        lease holds it, so its id is not reused while the lease is shared)."""
+        options = dataclasses.replace(self, on_lost=None)
+        return options, id(self.on_lost), request.SerializeToString(deterministic=True)
 
     def _join(
         self, held: _sharing.SharedLease, owner: int, checkpoint: Checkpoint | Path
@@ -597,8 +608,9 @@ class _Attach:
         the lease (:mod:`weightcache._sharing`).
 
         Raises:
-            HandleError: the segment cannot be mapped (:func:`open_shared_memory`), or the
-                socket's owner is not the one the lease was granted by.
+            HandleError: the segment cannot be mapped (:func:`open_shared_memory`), the
+                socket's owner is not the one the lease was granted by, or the lease is
+                being revoked and copying the weights out failed.
         """
         answer = held.answer
         try:
@@ -609,10 +621,15 @@ class _Attach:
                 )
             arena = open_shared_memory(answer.storage, answer.views, copy=False, owner=owner)
         except BaseException:
-            if held.leave(None):
-                end_lease(self.socket, held.lease)
+            self._give_back(held)
             raise
-        held.join(arena)
+        try:
+            held.join(arena)
+        except (RuntimeError, OSError) as exc:  # joined as the lease is being revoked
+            self._give_back(held)
+            raise HandleError(
+                f"copying the weights of a lease being revoked failed: {exc}"
+            ) from None
         weights = LoadedWeights(
             arena.tensors,
             arena=arena,
@@ -626,6 +643,11 @@ class _Attach:
         )
         weights._shared = held
         return weights
+
+    def _give_back(self, held: _sharing.SharedLease) -> None:
+        """A load that took a share of ``held`` and made nothing of it gives it back."""
+        if held.leave(None):
+            end_lease(self.socket, held.lease)
 
     def _check_socket(self) -> int:
         deadline = time.monotonic() + (self.wait_timeout if self.wait_for_daemon else 0.0)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -57,7 +56,7 @@ class SharedLease:
     """One lease and the arenas of the loads that use it.
 
     Args:
-        key: the request and lease options it answers (:func:`find`).
+        key: the request and lease options it answers (:func:`take`).
         lease: the lease.
         answer: the daemon's answer to map again.
     """
@@ -67,19 +66,30 @@ class SharedLease:
         self.lease = lease
         self.answer = answer
         self._users = 0
-        # Weak: an arena goes when its load's tensors go; the lease must not keep it mapped.
-        self._arenas: dict[int, weakref.ref[MappedArena]] = {}
+        # Strong, as ClientLease.privatize held its one arena before: the weights of a
+        # load dropped without close() are still made private on a revoke.
+        self._arenas: dict[int, MappedArena] = {}
+        self._privatizing = False
 
     @property
     def live(self) -> bool:
-        """Whether the lease may be shared: not lost, not revoked."""
-        return self.lease.lost is None and not self.lease.revoked
+        """Whether the lease may be shared: not lost, not revoked, not being revoked."""
+        return self.lease.lost is None and not self.lease.revoked and not self._privatizing
 
     def join(self, arena: MappedArena) -> None:
         """Count ``arena`` among those to make private on a revoke (its load was counted
-        a user by :func:`take` or :func:`share`)."""
+        a user by :func:`take` or :func:`share`). If the lease is being revoked meanwhile,
+        ``arena`` is made private here and now.
+
+        Raises:
+            RuntimeError, OSError: making it private failed (:meth:`MappedArena.privatize`).
+        """
         with _registry.lock:
-            self._arenas[id(arena)] = weakref.ref(arena)
+            late = self._privatizing
+            if not late:
+                self._arenas[id(arena)] = arena
+        if late:
+            arena.privatize()
 
     def leave(self, arena: MappedArena | None) -> bool:
         """A load stops using the lease (``arena``: its mapping, None if it made none);
@@ -91,22 +101,28 @@ class SharedLease:
             self._users -= 1
             if self._users:
                 return False
-            if _registry.leases.get(self.key) is self:
-                del _registry.leases[self.key]
+            self._unregister()
             return True
 
     def privatize(self) -> None:
         """Make every user's mapping private (``on_revoke="copy"``,
-        :meth:`MappedArena.privatize`).
+        :meth:`MappedArena.privatize`); from now on the lease is not shared, and a load
+        that joins it meanwhile makes its own mapping private (:meth:`join`).
 
         Raises:
             RuntimeError, OSError: copying an arena failed (those before it are private).
         """
         with _registry.lock:
-            arenas = [ref() for ref in self._arenas.values()]
+            self._privatizing = True
+            self._unregister()
+            arenas = list(self._arenas.values())
         for arena in arenas:
-            if arena is not None:
-                arena.privatize()
+            arena.privatize()
+
+    def _unregister(self) -> None:
+        # Under the registry's lock.
+        if _registry.leases.get(self.key) is self:
+            del _registry.leases[self.key]
 
 
 class _Registry:
@@ -130,8 +146,9 @@ _registry = _Registry()
 
 
 def take(key: Hashable) -> SharedLease | None:
-    """The live lease that answers ``key`` (the socket, the Acquire request without its id,
-    and the lease options), counted one user more, if this process holds one. The caller
+    """The live lease that answers ``key`` (the Acquire request without its id, and the
+    options of the attach: socket, mode, lease options), counted one user more, if this
+    process holds one. The caller
     calls :meth:`SharedLease.join` once it mapped the arena, and :meth:`SharedLease.leave`
     when done with it (or when the mapping failed)."""
     with _registry.lock:
