@@ -16,7 +16,7 @@ import operator
 import os
 import stat
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -88,9 +88,61 @@ class MappedArena:
         self.base = torch.empty(0, dtype=torch.uint8, device=self.base.device).set_(storage)
 
 
+@dataclass(frozen=True)
+class ViewPlan:
+    """Views :func:`build_views` accepted over an arena of ``size`` bytes, as the arguments
+    of their ``torch.as_strided`` calls: building them again over another mapping of the
+    same arena (the next load sharing a lease, :mod:`weightcache._sharing`) checks
+    nothing again and cuts no column.
+
+    Attributes:
+        size: the arena's size in bytes.
+        names: tensor names.
+        dtypes: each tensor's torch dtype.
+        shapes: each tensor's sizes, in elements.
+        strides: each tensor's strides, in elements.
+        offsets: each tensor's first element, in elements of its dtype.
+    """
+
+    size: int
+    names: Sequence[str]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    strides: list[tuple[int, ...]]
+    offsets: list[int]
+
+    @classmethod
+    def of(cls, views: ViewColumns, size: int) -> ViewPlan:
+        """The plan of ``views``, which :func:`build_views` accepted over an arena of
+        ``size`` bytes (not checked again here)."""
+        dtypes = [TORCH_DTYPES[dtype] for dtype in views.dtypes]
+        cuts = list(views.cuts())
+        return cls(
+            size=size,
+            names=views.names,
+            dtypes=dtypes,
+            shapes=[tuple(views.shape[cut]) for cut in cuts],
+            strides=[tuple(views.stride[cut]) for cut in cuts],
+            offsets=[o // d.itemsize for o, d in zip(views.byte_offsets, dtypes, strict=True)],
+        )
+
+    def build(self, base: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The views over ``base``, a 1-D ``uint8`` tensor of :attr:`size` bytes.
+
+        Raises:
+            HandleError: ``base`` is not of :attr:`size` bytes.
+        """
+        if base.numel() != self.size:
+            raise HandleError(f"an arena of {base.numel()} bytes, not the {self.size} planned")
+        typed = {dtype: _typed(base, dtype)[0] for dtype in set(self.dtypes)}
+        arenas = map(typed.__getitem__, self.dtypes)
+        built = map(torch.as_strided, arenas, self.shapes, self.strides, self.offsets)
+        return dict(zip(self.names, built, strict=True))
+
+
 def open_shared_memory(
     handle: SharedMemoryHandle,
-    views: ViewColumns,
+    views: ViewColumns | ViewPlan,
     *,
     copy: bool,
     owner: int | None = None,
@@ -99,7 +151,7 @@ def open_shared_memory(
 
     Args:
         handle: the arena's path and size in bytes.
-        views: tensor views of the arena.
+        views: tensor views of the arena, or their plan (built unchecked).
         copy: copy the whole arena into private memory first (one memcpy, tied views stay
             tied); the mapping is closed before returning.
         owner: uid the segment must belong to (the daemon's); None skips the check.
@@ -126,7 +178,8 @@ def open_shared_memory(
         base = base.clone()
         # The clone owns its bytes; the mapping can go now that no tensor views it.
         del mapping
-    return MappedArena(tensors=build_views(base, views), base=base, size=size)
+    tensors = views.build(base) if isinstance(views, ViewPlan) else build_views(base, views)
+    return MappedArena(tensors=tensors, base=base, size=size)
 
 
 def open_cuda_ipc(handle: CudaIpcHandle, views: ViewColumns, *, copy: bool) -> MappedArena:
