@@ -8,13 +8,17 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import weightcache
 from tests.fault_support import Children, evict, list_models
 from tests.fault_worker import segment_maps
 from tests.support import Checkpoints, DaemonPool, get_model, wait_until
+from weightcache import _handles, _loader
 from weightcache.testing.checkpoints import assert_bitwise_equal
 from weightcache.testing.protocol import tensor_digest
 
@@ -169,6 +173,45 @@ def test_weights_dropped_without_close_are_still_copied_on_a_revoke(
     [mapping] = [m for m in segment_maps() if m["path"] == segment]
     assert mapping["Anonymous"] == mapping["Rss"] == mapping["Size"] > 0, mapping
     assert_bitwise_equal(tensors, checkpoints.tensors)
+
+
+def test_a_load_that_joins_while_the_lease_is_revoked_copies_its_own_mapping(
+    daemons: DaemonPool, checkpoints: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second load has taken its share and is mapping the segment when the revoke
+    starts copying the first load's mapping: it copies its own as it joins."""
+    daemon = daemons.start([checkpoints.single], args=["--drain-timeout", "60"])
+    first = weightcache.load(checkpoints.single, socket=daemon.socket, on_revoke="copy")
+    lease = first.lease
+    assert lease is not None
+    [segment] = daemon.segments()
+    revoking = threading.Event()
+    privatize = _handles.MappedArena.privatize
+    open_shared_memory = _handles.open_shared_memory
+
+    def privatize_seen(arena: _handles.MappedArena) -> None:
+        revoking.set()
+        privatize(arena)
+
+    def open_then_revoke(*args: Any, **kwargs: Any) -> _handles.MappedArena:
+        arena = open_shared_memory(*args, **kwargs)
+        evict(daemon.socket, "single", force=True)
+        assert revoking.wait(REVOKE_TIMEOUT)  # the keepalive thread is copying now
+        return arena
+
+    monkeypatch.setattr(_handles.MappedArena, "privatize", privatize_seen)
+    monkeypatch.setattr(_loader, "open_shared_memory", open_then_revoke)
+    second = weightcache.load(checkpoints.single, socket=daemon.socket, on_revoke="copy")
+    monkeypatch.undo()
+    wait_until(lambda: lease.revoked, REVOKE_TIMEOUT)
+
+    assert second.lease is lease
+    mappings = [m for m in segment_maps() if m["path"] == segment]
+    assert len(mappings) == 2
+    for mapping in mappings:
+        assert mapping["Anonymous"] == mapping["Rss"] == mapping["Size"] > 0, mapping
+    assert_bitwise_equal(second.tensors, checkpoints.tensors)
+    assert_bitwise_equal(first.tensors, checkpoints.tensors)
 
 
 class _Callback:
