@@ -1,8 +1,9 @@
 """Leases shared within a process: a ``load()`` that would send the very Acquire an open
 one sent maps the daemon's arena again under the lease this process already holds.
 
-Why it is safe to skip the Acquire: the daemon's answer cannot have changed. A lease pins
-its model (no evict or replacement while held) and the answer depends on the request and
+Why it is safe to skip the Acquire: the daemon's answer cannot have changed. While a lease
+is live its model is neither evicted nor replaced (a forced evict or a drain first revokes
+the lease, and a revoked lease is not shared), and the answer depends on the request and
 the model alone: the same files, by identity (device, inode, size, mtime, ctime), or the
 same fingerprint, with the same recipe, placement, level and TTL. What is shared is the
 lease, never the tensors: each load maps the arena anew (``MAP_PRIVATE``), so a write
@@ -11,11 +12,12 @@ through one load's tensors is not seen through another's (:mod:`weightcache._han
 Why it is worth it: an Acquire is a round trip through gRPC, about 1.5 ms on a 2-CPU host,
 most of a repeated ``load()`` of a few hundred tensors (bench/README.md, ``repeat_load.py``).
 
-A lease is shared only while it is live (not lost, not revoked), only among loads of
-shared memory with the same lease options (``ttl``, ``lease_policy``, ``on_lease_lost``,
-``on_revoke``, ``trusted_uid``), and is released when the last load sharing it closes. A
-revoke with ``on_revoke="copy"`` makes the mapping of every load that still shares it
-private.
+A lease is shared only while it is live (not lost, not revoked, no revoke being handled),
+only among zero-copy loads of shared memory with the same options of the attach (socket,
+``wait_timeout``, ``fallback``, ``ttl``, ``lease_policy``, ``on_revoke``, ``trusted_uid``,
+and ``on_lease_lost`` by identity), and is released when the last load sharing it closes.
+A revoke with ``on_revoke="copy"`` makes the mapping of every load that shares it private
+(docs/leases.md, "Shared within a process").
 """
 
 from __future__ import annotations
