@@ -24,7 +24,7 @@ STREAM_SETTLE = 1.0
 
 def _shared_now(socket: str) -> object | None:
     with rpc._shared.lock:
-        opened = rpc._shared.channels.get(socket)
+        opened = rpc._shared.entries().get(socket)
     return None if opened is None else opened[0]
 
 

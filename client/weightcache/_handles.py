@@ -134,9 +134,7 @@ class ViewPlan:
         """
         if base.numel() != self.size:
             raise HandleError(f"an arena of {base.numel()} bytes, not the {self.size} planned")
-        typed = {dtype: _typed(base, dtype)[0] for dtype in set(self.dtypes)}
-        arenas = map(typed.__getitem__, self.dtypes)
-        built = map(torch.as_strided, arenas, self.shapes, self.strides, self.offsets)
+        built = _strided(base, self.dtypes, self.shapes, self.strides, self.offsets)
         return dict(zip(self.names, built, strict=True))
 
 
@@ -262,22 +260,20 @@ def _bulk_views(base: torch.Tensor, views: ViewColumns) -> dict[str, torch.Tenso
     size = base.numel()
     if not views.names:
         return {}
-    typed = {dtype: _typed(base, TORCH_DTYPES[dtype]) for dtype in set(views.dtypes)}
-    items = [typed[dtype][1] for dtype in views.dtypes]
+    dtypes = [TORCH_DTYPES[dtype] for dtype in views.dtypes]
+    items = [dtype.itemsize for dtype in dtypes]
     offsets = views.byte_offsets
     if min(offsets) < 0 or max(offsets) > size or any(map(operator.mod, offsets, items)):
         return None
     # Generators, not lists: each tensor's sizes and strides are made, used and freed in
     # turn (a list of them all took fresh memory, whose page faults cost more than them).
     cuts = list(views.cuts())
-    built = list(
-        map(
-            torch.as_strided,
-            (typed[dtype][0] for dtype in views.dtypes),
-            map(views.shape.__getitem__, cuts),
-            map(views.stride.__getitem__, cuts),
-            map(operator.floordiv, offsets, items),
-        )
+    built = _strided(
+        base,
+        dtypes,
+        map(views.shape.__getitem__, cuts),
+        map(views.stride.__getitem__, cuts),
+        map(operator.floordiv, offsets, items),
     )
     got = list(map(_NBYTES, built))
     if got != views.nbytes and any(n and g != n for g, n in zip(got, views.nbytes, strict=True)):
@@ -288,22 +284,39 @@ def _bulk_views(base: torch.Tensor, views: ViewColumns) -> dict[str, torch.Tenso
 _NBYTES = operator.attrgetter("nbytes")
 
 
+def _strided(
+    base: torch.Tensor,
+    dtypes: Sequence[torch.dtype],
+    shapes: Iterable[Sequence[int]],
+    strides: Iterable[Sequence[int]],
+    offsets: Iterable[int],
+) -> list[torch.Tensor]:
+    """One ``torch.as_strided`` per tensor over the arena viewed as its dtype (offsets in
+    elements of it); nothing checked beyond what torch checks.
+
+    Raises:
+        RuntimeError, ValueError, TypeError, OverflowError: torch refuses a view.
+    """
+    typed = {dtype: _typed(base, dtype) for dtype in set(dtypes)}
+    return list(map(torch.as_strided, map(typed.__getitem__, dtypes), shapes, strides, offsets))
+
+
 def _checked_views(base: torch.Tensor, views: Iterable[ViewRow]) -> dict[str, torch.Tensor]:
     """The views built and checked one at a time: the first one at fault is named.
 
     Raises:
         HandleError: as :func:`build_views`.
     """
-    typed: dict[str, tuple[torch.Tensor, int]] = {}
+    typed: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     size = base.numel()
     for row in views:
         name, dtype, shape, stride, offset, nbytes = row
+        if dtype not in TORCH_DTYPES:
+            raise HandleError(f"tensor {name!r}: unknown dtype {dtype!r}")
         if dtype not in typed:
-            if dtype not in TORCH_DTYPES:
-                raise HandleError(f"tensor {name!r}: unknown dtype {dtype!r}")
             typed[dtype] = _typed(base, TORCH_DTYPES[dtype])
-        arena, item = typed[dtype]
+        arena, item = typed[dtype], TORCH_DTYPES[dtype].itemsize
         if offset % item:
             raise HandleError(f"tensor {name!r}: misaligned byte_offset {offset}")
         if not 0 <= offset <= size:
@@ -320,10 +333,9 @@ def _checked_views(base: torch.Tensor, views: Iterable[ViewRow]) -> dict[str, to
     return out
 
 
-def _typed(base: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """The arena viewed as ``dtype`` (its whole elements), and the dtype's item size."""
-    item = dtype.itemsize
-    return base[: base.numel() - base.numel() % item].view(dtype), item
+def _typed(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The arena viewed as ``dtype`` (its whole elements)."""
+    return base[: base.numel() - base.numel() % dtype.itemsize].view(dtype)
 
 
 def _view_error(row: ViewRow, size: int, exc: Exception) -> HandleError:

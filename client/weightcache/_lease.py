@@ -43,6 +43,7 @@ import grpc
 
 from weightcache._log import get_logger
 from weightcache.core.errors import LeaseLostError
+from weightcache.core.per_process import PerProcess
 from weightcache.core.protocol import lease_status_from_pb
 from weightcache.core.rpc import retire, shared
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -264,25 +265,14 @@ class KeepAliveSession:
                 os._exit(EXIT_LEASE_LOST)
 
 
-class _Registry:
-    """This process's sessions by socket; emptied in a forked child (threads do not
-    survive fork)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.pid = os.getpid()
-        self.sessions: dict[str, KeepAliveSession] = {}
-
-
-_registry = _Registry()
+#: This process's KeepAlive sessions by socket path (a thread does not survive fork).
+_sessions: PerProcess[str, KeepAliveSession] = PerProcess()
 
 
 def live_session(socket: str) -> KeepAliveSession | None:
     """This process's running KeepAlive session to ``socket``, if any (never starts one)."""
-    with _registry.lock:
-        if _registry.pid != os.getpid():
-            return None
-        session = _registry.sessions.get(socket)
+    with _sessions.lock:
+        session = _sessions.entries().get(socket)
         return session if session is not None and session.alive else None
 
 
@@ -292,12 +282,9 @@ def session_for(socket: str, clock: Clock = time.monotonic) -> KeepAliveSession:
     Raises:
         DaemonUnavailableError: no socket file exists at the path.
     """
-    with _registry.lock:
-        if _registry.pid != os.getpid():
-            _registry.sessions.clear()
-            _registry.pid = os.getpid()
-        session = _registry.sessions.get(socket)
+    with _sessions.lock:
+        sessions = _sessions.entries()
+        session = sessions.get(socket)
         if session is None or not session.alive:
-            session = KeepAliveSession(socket, clock)
-            _registry.sessions[socket] = session
+            session = sessions[socket] = KeepAliveSession(socket, clock)
         return session

@@ -543,8 +543,9 @@ class _Attach:
         checkpoint: Checkpoint | Path,
     ) -> LoadedWeights:
         owner = self._check_socket()
-        key = self._sharing_key(request)
-        if self.mode == "zero_copy" and (held := _sharing.take(key)) is not None:
+        # Copy mode keeps no lease to share: no key is made for it.
+        key = self._sharing_key(request) if self.mode == "zero_copy" else None
+        if key is not None and (held := _sharing.take(key)) is not None:
             return self._join(held, owner, checkpoint)
         request.request_id = uuid.uuid4().hex
         reply = _acquire_with_wait(
@@ -587,7 +588,7 @@ class _Attach:
             privatize=arena.privatize,
         )
         session_for(self.socket).add(weights.lease)
-        if isinstance(storage, SharedMemoryHandle):
+        if key is not None and isinstance(storage, SharedMemoryHandle):
             metadata = dict(reply.model.metadata)
             answer = _sharing.Answer(storage, views, owner, fp, reply.model.name, metadata)
             weights._shared = _sharing.share(key, weights.lease, answer, arena)

@@ -22,14 +22,13 @@ A revoke with ``on_revoke="copy"`` makes the mapping of every load that shares i
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 from weightcache._handles import MappedArena, ViewPlan
 from weightcache._lease import ClientLease
 from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.per_process import PerProcess
 from weightcache.core.records import SharedMemoryHandle, ViewColumns
 
 
@@ -94,7 +93,7 @@ class SharedLease:
         Raises:
             RuntimeError, OSError: making it private failed (:meth:`MappedArena.privatize`).
         """
-        with _registry.lock:
+        with _leases.lock:
             late = self._privatizing
             if not late:
                 self._arenas[id(arena)] = arena
@@ -105,7 +104,7 @@ class SharedLease:
         """A load stops using the lease (``arena``: its mapping, None if it made none);
         True when it was the last: the lease is then no longer shared, and is to be
         released."""
-        with _registry.lock:
+        with _leases.lock:
             if arena is not None:
                 self._arenas.pop(id(arena), None)
             self._users -= 1
@@ -122,7 +121,7 @@ class SharedLease:
         Raises:
             RuntimeError, OSError: copying an arena failed (those before it are private).
         """
-        with _registry.lock:
+        with _leases.lock:
             self._privatizing = True
             self._unregister()
             arenas = list(self._arenas.values())
@@ -130,39 +129,23 @@ class SharedLease:
             arena.privatize()
 
     def _unregister(self) -> None:
-        # Under the registry's lock.
-        if _registry.leases.get(self.key) is self:
-            del _registry.leases[self.key]
+        # Under _leases.lock.
+        leases = _leases.entries()
+        if leases.get(self.key) is self:
+            del leases[self.key]
 
 
-class _Registry:
-    """This process's shared leases by key; emptied in a forked child (its leases are the
-    parent's, renewed by the parent's KeepAlive thread)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.pid = os.getpid()
-        self.leases: dict[Hashable, SharedLease] = {}
-
-    def current(self) -> dict[Hashable, SharedLease]:
-        """The leases, emptied first in a forked child (call under ``lock``)."""
-        if self.pid != os.getpid():
-            self.leases.clear()
-            self.pid = os.getpid()
-        return self.leases
-
-
-_registry = _Registry()
+#: This process's shared leases by key (a forked child's leases are its parent's).
+_leases: PerProcess[Hashable, SharedLease] = PerProcess()
 
 
 def take(key: Hashable) -> SharedLease | None:
     """The live lease that answers ``key`` (the Acquire request without its id, and the
     options of the attach: socket, mode, lease options), counted one user more, if this
-    process holds one. The caller
-    calls :meth:`SharedLease.join` once it mapped the arena, and :meth:`SharedLease.leave`
-    when done with it (or when the mapping failed)."""
-    with _registry.lock:
-        shared = _registry.current().get(key)
+    process holds one. The caller calls :meth:`SharedLease.join` once it mapped the arena,
+    and :meth:`SharedLease.leave` when done with it (or when the mapping failed)."""
+    with _leases.lock:
+        shared = _leases.entries().get(key)
         if shared is None or not shared.live:
             return None
         shared._users += 1
@@ -176,6 +159,6 @@ def share(key: Hashable, lease: ClientLease, answer: Answer, arena: MappedArena)
     shared._users = 1
     shared.join(arena)
     lease.privatize = shared.privatize
-    with _registry.lock:
-        _registry.current()[key] = shared
+    with _leases.lock:
+        _leases.entries()[key] = shared
     return shared

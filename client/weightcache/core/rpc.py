@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
 
 from weightcache.core.errors import DaemonUnavailableError, WeightCacheError
+from weightcache.core.per_process import PerProcess
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
@@ -81,17 +81,8 @@ def _error(exc: grpc.RpcError) -> WeightCacheError:
     return from_rpc_error(exc)
 
 
-class _Shared:
-    """This process's channels by socket; emptied in a forked child (a parent's channel
-    and its threads do not survive fork)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.pid = os.getpid()
-        self.channels: dict[str, tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]] = {}
-
-
-_shared = _Shared()
+#: This process's channel and stub by socket path.
+_shared: PerProcess[str, tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]] = PerProcess()
 
 
 def shared(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
@@ -105,12 +96,10 @@ def shared(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
             or it cannot be reached (:func:`connect`).
     """
     with _shared.lock:
-        if _shared.pid != os.getpid():
-            _shared.channels.clear()
-            _shared.pid = os.getpid()
-        opened = _shared.channels.get(socket)
+        channels = _shared.entries()
+        opened = channels.get(socket)
         if opened is None:
-            opened = _shared.channels[socket] = connect(socket)
+            opened = channels[socket] = connect(socket)
         return opened
 
 
@@ -119,9 +108,10 @@ def retire(socket: str, channel: grpc.Channel) -> None:
     next :func:`shared` connects afresh rather than wait out the old channel's reconnect
     backoff (gRPC's, up to two minutes) after the daemon went away."""
     with _shared.lock:
-        opened = _shared.channels.get(socket)
+        channels = _shared.entries()
+        opened = channels.get(socket)
         if opened is not None and opened[0] is channel:
-            del _shared.channels[socket]
+            del channels[socket]
     channel.close()
 
 
@@ -166,5 +156,5 @@ def call_shared(socket: str, rpc: Callable[[pb_grpc.WeightCacheServiceStub], T])
 
 def _is_shared(socket: str, channel: grpc.Channel) -> bool:
     with _shared.lock:
-        opened = _shared.channels.get(socket)
+        opened = _shared.entries().get(socket)
         return opened is not None and opened[0] is channel
