@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup protos check-protos released-contract lint test test-node node-deps demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm
+.PHONY: setup native protos check-protos released-contract lint test test-node node-deps demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -19,7 +19,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,demo]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) native
+
+# The compiled view builder (client/csrc/views.cpp -> weightcache._views), built in place
+# against this venv's torch, about 50 s once. Without a C++ compiler the SDK builds its
+# views one torch.as_strided at a time (the same views, slower per tensor), and
+# tests/test_compiled_views.py skips its check that the module is built.
+NATIVE_STAMP := $(VENV)/.native-built
+$(NATIVE_STAMP): $(STAMP) client/csrc/views.cpp client/build_native.py
+	@if command -v c++ >/dev/null; then $(PY) client/build_native.py && touch $@; \
+	else echo "native: no C++ compiler (c++): weightcache._views not built; the SDK" \
+		"builds its views in Python"; fi
+
+native: $(NATIVE_STAMP)
 
 define gen_protos
 	mkdir -p $(1)
@@ -99,10 +111,10 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json | node-dep
 test-node: $(STAMP) node-deps $(NODE_STAMP)
 	cd $(NODE_DIR) && WEIGHTCACHE_PYTHON=$(abspath $(PY)) node --test test/*.test.mjs
 
-test: $(STAMP) cpp check-protos lint test-node
+test: $(STAMP) cpp native check-protos lint test-node
 	$(PY) -m pytest
 
-demo: $(STAMP)
+demo: $(STAMP) native
 	$(PY) demo/demo.py
 
 # The `bench` extra (matplotlib) is for the benchmarks alone: its own stamp, so that
@@ -175,4 +187,4 @@ demo-vllm: $(VLLM_STAMP)
 	$(VPY) demo/demo_vllm.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules
+	rm -rf client/weightcache/_views.*.so $(VENV) $(VLLM_VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules

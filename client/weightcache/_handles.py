@@ -7,6 +7,11 @@ else's (mmap(2), "MAP_PRIVATE: copy-on-write mapping").
 
 A ``CudaIpcHandle`` is opened with ``cudaIpcOpenMemHandle`` on the local device whose UUID
 matches (:mod:`weightcache.core.cuda`); the views are device tensors over that mapping.
+
+On CPU the tensors are built in one call by the compiled ``weightcache._views``
+(client/csrc/views.cpp, built by ``make setup``), about three times faster per tensor than
+``torch.as_strided`` from Python; without it, or on a device, one ``torch.as_strided`` per
+tensor. Both check the same things and give the same sizes, strides and bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import stat
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from types import ModuleType
 
 import torch
 
@@ -28,12 +35,23 @@ from weightcache.core.records import CudaIpcHandle, SharedMemoryHandle, ViewColu
 from weightcache.core.sockets import SHM_DIR
 
 
+def _compiled() -> ModuleType | None:
+    try:
+        from weightcache import _views
+    except ImportError:  # not built (make setup builds it): torch.as_strided per tensor
+        return None
+    return _views
+
+
+_NATIVE = _compiled()
+
+
 @dataclass
 class MappedArena:
     """A mapped arena and the tensors viewing it.
 
     Attributes:
-        tensors: name -> tensor, each a view of ``base`` (tied names share bytes).
+        tensors: name -> tensor, each over ``base``'s storage (tied names share bytes).
         base: the whole arena as a 1-D ``uint8`` tensor.
         size: arena size in bytes.
     """
@@ -90,40 +108,40 @@ class MappedArena:
 
 @dataclass(frozen=True)
 class ViewPlan:
-    """Views :func:`build_views` accepted over an arena of ``size`` bytes, as the arguments
-    of their ``torch.as_strided`` calls: building them again over another mapping of the
-    same arena (the next load sharing a lease, :mod:`weightcache._sharing`) checks
-    nothing again and cuts no column.
+    """Views :func:`build_views` accepted over an arena of ``size`` bytes, to build again
+    over another mapping of the same arena (the next load sharing a lease,
+    :mod:`weightcache._sharing`). On CPU with ``weightcache._views`` they are built from
+    the columns as the first time (checks included: they cost little there); otherwise
+    from the arguments of their ``torch.as_strided`` calls, made once at the first
+    such build, unchecked.
 
     Attributes:
         size: the arena's size in bytes.
-        names: tensor names.
-        dtypes: each tensor's torch dtype.
-        shapes: each tensor's sizes, in elements.
-        strides: each tensor's strides, in elements.
-        offsets: each tensor's first element, in elements of its dtype.
+        views: the views, as accepted.
     """
 
     size: int
-    names: Sequence[str]
-    dtypes: list[torch.dtype]
-    shapes: list[tuple[int, ...]]
-    strides: list[tuple[int, ...]]
-    offsets: list[int]
+    views: ViewColumns
 
     @classmethod
     def of(cls, views: ViewColumns, size: int) -> ViewPlan:
         """The plan of ``views``, which :func:`build_views` accepted over an arena of
         ``size`` bytes (not checked again here)."""
+        return cls(size=size, views=views)
+
+    @cached_property
+    def _strided_args(
+        self,
+    ) -> tuple[list[torch.dtype], list[tuple[int, ...]], list[tuple[int, ...]], list[int]]:
+        """Each view's dtype, sizes, strides and offset in elements of its dtype."""
+        views = self.views
         dtypes = [TORCH_DTYPES[dtype] for dtype in views.dtypes]
         cuts = list(views.cuts())
-        return cls(
-            size=size,
-            names=views.names,
-            dtypes=dtypes,
-            shapes=[tuple(views.shape[cut]) for cut in cuts],
-            strides=[tuple(views.stride[cut]) for cut in cuts],
-            offsets=[o // d.itemsize for o, d in zip(views.byte_offsets, dtypes, strict=True)],
+        return (
+            dtypes,
+            [tuple(views.shape[cut]) for cut in cuts],
+            [tuple(views.stride[cut]) for cut in cuts],
+            [o // d.itemsize for o, d in zip(views.byte_offsets, dtypes, strict=True)],
         )
 
     def build(self, base: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -134,8 +152,13 @@ class ViewPlan:
         """
         if base.numel() != self.size:
             raise HandleError(f"an arena of {base.numel()} bytes, not the {self.size} planned")
-        built = _strided(base, self.dtypes, self.shapes, self.strides, self.offsets)
-        return dict(zip(self.names, built, strict=True))
+        try:
+            built = _compiled_views(base, self.views)
+        except ValueError:  # a view it refuses that as_strided took: never seen, but safe
+            built = None
+        if built is None:
+            built = _strided(base, *self._strided_args)
+        return dict(zip(self.views.names, built, strict=True))
 
 
 def open_shared_memory(
@@ -226,16 +249,18 @@ def _open_regular(path: str) -> int:
 def build_views(base: torch.Tensor, views: ViewColumns) -> dict[str, torch.Tensor]:
     """Build one tensor per view of a 1-D ``uint8`` tensor holding the arena.
 
-    The bounds are torch's own: ``torch.as_strided`` refuses a view that reaches past its
+    The bounds are torch's: ``torch.as_strided`` refuses a view that reaches past its
     storage (``checkInBoundsForStorage``), a negative size or stride, or a stride list of
-    another length than the shape. What torch does not check of a view (its byte offset's
-    alignment and, for an empty view, its place) is checked here, and so is the byte
-    length the daemon sent (``nbytes``, when not 0: a daemon and a client that disagree on
-    a dtype's size would read other bytes than the daemon wrote).
+    another length than the shape (``weightcache._views`` checks the same, in C++). What
+    torch does not check of a view (its byte offset's alignment and, for an empty view,
+    its place) is checked here, and so is the byte length the daemon sent (``nbytes``,
+    when not 0: a daemon and a client that disagree on a dtype's size would read other
+    bytes than the daemon wrote).
 
-    The views are built column by column (:func:`_bulk_views`: one ``torch.as_strided``
-    per tensor and nothing else per tensor at the Python level), their checks done over
-    whole columns. Only when a check fails are the views built again one by one
+    The views are built column by column: on CPU by ``weightcache._views`` in one call
+    (the same checks, in C++), else by :func:`_bulk_views` (one ``torch.as_strided`` per
+    tensor and nothing else per tensor at the Python level, the checks done over whole
+    columns). Only when a check fails are the views built again one by one
     (:func:`_checked_views`), to name the tensor at fault.
 
     Raises:
@@ -244,6 +269,9 @@ def build_views(base: torch.Tensor, views: ViewColumns) -> dict[str, torch.Tenso
             has a non-zero ``nbytes`` other than its elements times its dtype's size.
     """
     try:
+        compiled = _compiled_views(base, views)
+        if compiled is not None:
+            return dict(zip(views.names, compiled, strict=True))
         built = _bulk_views(base, views)
     except (KeyError, RuntimeError, ValueError, TypeError, OverflowError):
         built = None  # a view torch refuses, or an unknown dtype: named below
@@ -282,6 +310,35 @@ def _bulk_views(base: torch.Tensor, views: ViewColumns) -> dict[str, torch.Tenso
 
 
 _NBYTES = operator.attrgetter("nbytes")
+
+
+def _compiled_views(base: torch.Tensor, views: ViewColumns) -> list[torch.Tensor] | None:
+    """The views built by ``weightcache._views`` (client/csrc/views.cpp), in order; None
+    where it is not built or ``base`` is not on CPU. They are not autograd views of the
+    arena (no ``_base``; like ``safetensors.torch.load_file``'s tensors, each has its own
+    version counter).
+
+    Raises:
+        KeyError: a dtype is unknown.
+        ValueError: a view fails a check (:func:`build_views` lists them).
+    """
+    if _NATIVE is None or base.device.type != "cpu":
+        return None
+    if not views.names:
+        return []
+    typed = {dtype: _typed(base, TORCH_DTYPES[dtype]) for dtype in dict.fromkeys(views.dtypes)}
+    index = {dtype: i for i, dtype in enumerate(typed)}
+    built: list[torch.Tensor] = _NATIVE.views(
+        list(typed.values()),
+        list(map(index.__getitem__, views.dtypes)),
+        views.ranks,
+        views.shape,
+        views.stride,
+        views.byte_offsets,
+        views.nbytes,
+        base.numel(),
+    )
+    return built
 
 
 def _strided(
