@@ -12,12 +12,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 import weightcache
-from tests.fault_support import Children, evict, list_models
+from tests.fault_support import Children, evict, list_models, refused
 from tests.fault_worker import segment_maps
-from tests.support import Checkpoints, DaemonPool, get_model, wait_until
+from tests.support import Checkpoints, DaemonPool, get_model, rpc_failure, wait_until
 from weightcache import _handles, _loader
 from weightcache.testing.checkpoints import assert_bitwise_equal
 from weightcache.testing.protocol import tensor_digest
@@ -245,5 +246,38 @@ def test_each_loss_callback_object_holds_its_own_lease(
     assert loads[1].lease is not loads[0].lease
     assert _leases(daemon.socket, "single") == 2
     for weights in loads:
+        weights.close()
+    assert _leases(daemon.socket, "single") == 0
+
+
+def test_a_forked_child_closing_inherited_weights_leaves_the_parent_s_lease(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    """The lease is the parent's: a child leaving the parent's ``with`` blocks must not
+    release it, or the parent's next load would join a lease the daemon has ended (and a
+    plain evict would free the model under the parent's three loads)."""
+    daemon = daemons.start([checkpoints.single])
+    options: dict[str, Any] = {"socket": daemon.socket, "fallback": False}
+    first = weightcache.load(checkpoints.single, **options)
+    second = weightcache.load(checkpoints.single, **options)
+
+    pid = os.fork()
+    if pid == 0:  # the child: no gRPC here, only close()
+        status = 1
+        try:
+            first.close()
+            second.close()
+            status = 0 if first.lease is second.lease is None else 2
+        finally:
+            os._exit(status)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+    assert _leases(daemon.socket, "single") == 1
+    third = weightcache.load(checkpoints.single, **options)
+    assert third.lease is not None and third.lease is first.lease
+    failure = rpc_failure(refused(lambda: evict(daemon.socket, "single")))
+    assert (failure.code, failure.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "LEASES_ACTIVE")
+    assert_bitwise_equal(third.tensors, checkpoints.tensors)
+    for weights in (first, second, third):
         weights.close()
     assert _leases(daemon.socket, "single") == 0

@@ -83,6 +83,8 @@ class ClientLease:
         privatize: makes this process's mapping private (for ``on_revoke="copy"``).
         lost: the loss, once it happened.
         revoked: the lease was revoked and handled by copying; the tensors are private.
+        pid: the process that acquired it, the only one that renews or releases it (a
+            forked child inherits the object, not the lease).
     """
 
     lease_id: str
@@ -95,6 +97,7 @@ class ClientLease:
     privatize: Callable[[], None] | None = None
     lost: LeaseLostError | None = None
     revoked: bool = False
+    pid: int = field(default_factory=os.getpid)
     _fired: threading.Event = field(default_factory=threading.Event)
 
     @property

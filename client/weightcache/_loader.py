@@ -218,9 +218,10 @@ class LoadedWeights:
     def close(self) -> None:
         """Be done with the weights (idempotent): end the lease, if any, unless other
         loads of this process still share it (the last of them to close ends it).
-        Zero-copy tensors stay readable on CPU."""
+        Zero-copy tensors stay readable on CPU. In a forked child, weights inherited from
+        the parent only drop the lease: it is the parent's to renew and release."""
         lease, self.lease = self.lease, None
-        if lease is None or self.socket is None:
+        if lease is None or self.socket is None or lease.pid != os.getpid():
             return
         # A lease other loads of this process still share is ended by the last of them.
         if self._shared is None or self._shared.leave(self._arena):
