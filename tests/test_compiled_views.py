@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from weightcache import _handles
@@ -117,6 +117,15 @@ def test_valid_views_are_built_alike(rows: list[ViewRow]) -> None:
 @needs_native
 @settings(max_examples=600, deadline=None)
 @given(rows=st.lists(st.one_of(_rows(valid=True), _rows(valid=False)), min_size=1, max_size=6))
+# A negative size or stride after a zero size: the view is empty, and still refused.
+@example(rows=[("v", "F32", (0, -1), (1, 1), 0, 0)])
+@example(rows=[("v", "F32", (0, 2), (1, -1), 0, 0)])
+@example(rows=[("v", "F16", (2**62, 4), (1, 1), 0, 0)])
+@example(rows=[("v", "F32", (), (), 4096, 0)])
+# Stride 0 over 2**62 elements: one element in memory, more than 2**63 bytes as a length.
+@example(rows=[("v", "BF16", (2**62,), (0,), 0, 0)])
+@example(rows=[("v", "BF16", (2**62,), (0,), 0, 8)])
+@example(rows=[("v", "BF16", (2**62, 4), (0, 0), 0, 0)])
 def test_the_compiled_module_refuses_what_the_python_checks_refuse(rows: list[ViewRow]) -> None:
     base = torch.zeros(ARENA_BYTES, dtype=torch.uint8)
     columns = _columns(rows)
@@ -160,3 +169,24 @@ def test_an_arena_that_is_not_its_whole_storage_is_left_to_torch() -> None:
     with pytest.raises(ValueError, match="not of the given size"):
         _handles._compiled_views(base, columns)
     assert tuple(_handles.build_views(base, columns)["t0"].shape) == (8,)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "as_strided"])
+@pytest.mark.parametrize(
+    ("shape", "stride"), [((0, -1), (1, 1)), ((0, 2), (1, -1))], ids=["size", "stride"]
+)
+def test_a_negative_size_or_stride_beside_a_zero_size_is_refused(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool, shape: tuple[int, ...], stride: tuple[int, ...]
+) -> None:
+    """``torch.as_strided`` builds such a view (it has no element); both paths refuse it."""
+    if compiled and NATIVE is None:
+        pytest.skip("weightcache._views is not built")
+    if not compiled:
+        monkeypatch.setattr(_handles, "_NATIVE", None)
+    columns = _columns([("v", "F32", shape, stride, 0, 0)])
+
+    with pytest.raises(HandleError) as caught:
+        _handles.build_views(torch.zeros(ARENA_BYTES, dtype=torch.uint8), columns)
+
+    assert caught.value.reason == "INVALID_HANDLE"
+    assert str(caught.value).endswith(f"tensor 't0': shape {shape} and stride {stride} disagree")

@@ -9,11 +9,11 @@
 // safetensors.torch.load_file, each has no _base and a version counter of its own.
 //
 // Every row is checked before any tensor is made; the checks are the ones
-// torch.as_strided makes (checkInBoundsForStorage in aten/src/ATen/native/Resize.h:
-// non-negative sizes and strides, and the bytes reached inside the storage unless the
-// tensor has no element) and those weightcache._handles.build_views adds (an offset
-// aligned to the dtype and inside the arena even for an empty tensor, and the nbytes the
-// daemon sent). A row that fails raises ValueError naming its index; the caller then
+// torch.as_strided makes (checkInBoundsForStorage in aten/src/ATen/native/Resize.h: the
+// bytes reached inside the storage unless the tensor has no element; at most 2**63 - 1
+// elements) and those weightcache._handles.build_views adds (no negative size or stride,
+// which torch lets by beside a zero size; an offset aligned to the dtype and inside the
+// arena even for an empty tensor; the nbytes the daemon sent). A row that fails raises ValueError naming its index; the caller then
 // builds the views one by one to name the tensor at fault.
 #include <torch/extension.h>
 
@@ -34,10 +34,12 @@ using Ints = std::vector<int64_t>;
 int64_t reach(size_t row, const int64_t* sizes, const int64_t* strides, int64_t rank,
               int64_t item) {
   int64_t last = 0;  // the offset of the last element, in elements
-  for (int64_t d = 0; d < rank; ++d) {
+  bool empty = false;
+  for (int64_t d = 0; d < rank; ++d) {  // every dim, also past a zero size
     if (sizes[d] < 0 || strides[d] < 0) refuse(row, "negative size or stride");
-    if (sizes[d] == 0) return 0;
+    empty = empty || sizes[d] == 0;
   }
+  if (empty) return 0;
   for (int64_t d = 0; d < rank; ++d) {
     int64_t step = 0;
     if (__builtin_mul_overflow(sizes[d] - 1, strides[d], &step) ||
@@ -106,10 +108,13 @@ std::vector<at::Tensor> views(const std::vector<at::Tensor>& typed, const Ints& 
     if (offset % item) refuse(i, "misaligned offset");
     const int64_t bytes = reach(i, &shape[at], &stride[at], ranks[i], item);
     if (bytes > size - offset) refuse(i, "reaches past the arena");
+    // torch refuses more than 2**63 - 1 elements (TensorImpl::compute_numel), even when
+    // a stride of 0 keeps them in a few bytes; their length in bytes may overflow, but
+    // is only computed against an nbytes sent (0: a daemon older than the column).
+    const int64_t elements = numel(i, &shape[at], ranks[i]);
     int64_t length = 0;
-    if (__builtin_mul_overflow(numel(i, &shape[at], ranks[i]), item, &length))
-      refuse(i, "overflows");
-    if (nbytes[i] && nbytes[i] != length) refuse(i, "nbytes disagrees with its shape");
+    if (nbytes[i] && (__builtin_mul_overflow(elements, item, &length) || nbytes[i] != length))
+      refuse(i, "nbytes disagrees with its shape");
     at += ranks[i];
   }
   std::vector<at::Tensor> out;

@@ -293,6 +293,9 @@ def _bulk_views(base: torch.Tensor, views: ViewColumns) -> dict[str, torch.Tenso
     offsets = views.byte_offsets
     if min(offsets) < 0 or max(offsets) > size or any(map(operator.mod, offsets, items)):
         return None
+    # torch.as_strided takes a negative size beside a zero one (an "empty" view).
+    if min(views.shape, default=0) < 0 or min(views.stride, default=0) < 0:
+        return None
     # Generators, not lists: each tensor's sizes and strides are made, used and freed in
     # turn (a list of them all took fresh memory, whose page faults cost more than them).
     cuts = list(views.cuts())
@@ -374,6 +377,8 @@ def _checked_views(base: torch.Tensor, views: Iterable[ViewRow]) -> dict[str, to
         if dtype not in typed:
             typed[dtype] = _typed(base, TORCH_DTYPES[dtype])
         arena, item = typed[dtype], TORCH_DTYPES[dtype].itemsize
+        if len(stride) != len(shape) or min((*shape, *stride), default=0) < 0:
+            raise HandleError(f"tensor {name!r}: shape {shape} and stride {stride} disagree")
         if offset % item:
             raise HandleError(f"tensor {name!r}: misaligned byte_offset {offset}")
         if not 0 <= offset <= size:
@@ -396,9 +401,7 @@ def _typed(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _view_error(row: ViewRow, size: int, exc: Exception) -> HandleError:
-    name, _, shape, stride, _, _ = row
-    if len(stride) != len(shape) or any(s < 0 for s in (*shape, *stride)):
-        return HandleError(f"tensor {name!r}: shape {shape} and stride {stride} disagree")
+    name = row[0]
     if "out of bounds" in str(exc):
         return HandleError(f"tensor {name!r}: reaches past the {size}-byte arena")
     return HandleError(f"tensor {name!r}: cannot be viewed: {exc}")
