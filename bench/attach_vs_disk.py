@@ -11,7 +11,8 @@ Run with ``make bench`` or ``.venv/bin/python bench/attach_vs_disk.py [options]`
    ``load_from_disk()``, ``safetensors.torch.load_file`` of every shard, and the
    fingerprint alone;
 4. print median and min per mode and the ratio to the ``--baseline`` mode (default
-   ``disk``) of the same run;
+   ``disk``) of the same run: with the first byte of every tensor read, then the load
+   call alone (the same runs, timed to its return);
 5. stop the daemon, check /dev/shm and the socket are clean, remove the folder.
 
 ``--tensors`` takes a comma-separated list (``100,1000,10000``): steps 1-5 then run once per
@@ -286,9 +287,11 @@ def measure(
     cold: bool,
     expected: int,
     extra: Sequence[str] = (),
+    loads: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Run every mode of ``modes`` ``repeat`` times, interleaved (``extra``: further worker
-    arguments); returns seconds per mode.
+    arguments); returns seconds per mode, and puts each run's seconds to the load call's
+    return (the touch not timed) in ``loads``, when given.
 
     Raises:
         BenchError: a worker failed, loaded from the wrong source or saw the wrong number
@@ -308,6 +311,8 @@ def measure(
                     f"{mode}: expected {expected} tensors from {want_source}: {result}"
                 )
             seconds[mode].append(result["seconds"])
+            if loads is not None:
+                loads.setdefault(mode, []).append(result["load_seconds"])
     return seconds
 
 
@@ -347,13 +352,19 @@ def print_table(
         print(f"    {mode:<{width}}{timed[mode]}")
 
 
-def print_results(seconds: dict[str, list[float]], baseline: str) -> None:
-    """Median, min and max per mode, and the ``baseline`` median over each median."""
+def print_results(
+    seconds: dict[str, list[float]], loads: dict[str, list[float]], baseline: str
+) -> None:
+    """Median, min and max per mode, and the ``baseline`` median over each median: with
+    the touch, then the load call alone (the same runs)."""
     note = (
         "  timed, in each worker after its imports (interpreter start, imports and",
         "  close() of the lease are not):",
     )
     print_table(seconds, TIMED, 12, note, baseline)
+    print()
+    print("  the same runs, the load call alone (to its return: the touch not timed):")
+    print_table(loads, TIMED, 12, note, baseline, legend=False)
 
 
 def print_setup(specs: list[Spec], shards: int, folder: Path, args: argparse.Namespace) -> None:
@@ -434,6 +445,7 @@ def run_count(args: argparse.Namespace, count: int, tmp: Path) -> None:
     folder, specs = new_checkpoint(tmp, count, int(args.size_gib * 2**30), args.seed)
     print_setup(specs, args.shards, folder, args)
     generate(folder, specs, args)
+    loads: dict[str, list[float]] = {}
     with preloaded(folder, tmp, timeout=900) as daemon:
         print()
         seconds = measure(
@@ -444,9 +456,10 @@ def run_count(args: argparse.Namespace, count: int, tmp: Path) -> None:
             repeat=args.repeat,
             cold=args.drop_caches,
             expected=len(specs),
+            loads=loads,
         )
     print()
-    print_results(seconds, args.baseline)
+    print_results(seconds, loads, args.baseline)
 
 
 def main() -> int:
