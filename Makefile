@@ -22,14 +22,19 @@ $(STAMP): pyproject.toml
 setup: $(STAMP) native
 
 # The compiled view builder (client/csrc/views.cpp -> weightcache._views), built in place
-# against this venv's torch, about 50 s once. Without a C++ compiler the SDK builds its
-# views one torch.as_strided at a time (the same views, slower per tensor), and
-# tests/test_compiled_views.py skips its check that the module is built.
+# against this venv's torch (again when torch changes), about 50 s once. Without a C++
+# compiler or Python's headers it is skipped: the SDK then builds its views one
+# torch.as_strided at a time (the same views, slower per tensor), and
+# tests/test_compiled_views.py skips its check that the module is built. A build that
+# starts and fails stops make.
 NATIVE_STAMP := $(VENV)/.native-built
-$(NATIVE_STAMP): $(STAMP) client/csrc/views.cpp client/build_native.py
-	@if command -v c++ >/dev/null; then $(PY) client/build_native.py && touch $@; \
-	else echo "native: no C++ compiler (c++): weightcache._views not built; the SDK" \
-		"builds its views in Python"; fi
+TORCH_VERSION = $(wildcard $(VENV)/lib/python3*/site-packages/torch/version.py)
+$(NATIVE_STAMP): $(STAMP) client/csrc/views.cpp client/build_native.py $(TORCH_VERSION)
+	@if ! command -v c++ >/dev/null; then \
+		echo "native: no C++ compiler (c++): weightcache._views not built; the SDK builds its views in Python"; \
+	elif ! $(PY) client/build_native.py --check; then \
+		echo "native: no Python.h for $(PY): weightcache._views not built; the SDK builds its views in Python"; \
+	else $(PY) client/build_native.py && touch $@; fi
 
 native: $(NATIVE_STAMP)
 

@@ -13,6 +13,8 @@ module refuses, the Python checks (``_checked_views``) refuse too, naming the vi
 from __future__ import annotations
 
 import shutil
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +35,12 @@ needs_native = pytest.mark.skipif(
 )
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler here to build it")
+def _buildable() -> bool:
+    include = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return shutil.which("c++") is not None and include.is_file()
+
+
+@pytest.mark.skipif(not _buildable(), reason="no C++ compiler or no Python.h here to build it")
 def test_the_compiled_module_is_built() -> None:
     """`make setup` builds it wherever a C++ compiler is: without it every CPU attach
     builds its views in Python, about three times slower per tensor."""
@@ -98,6 +105,8 @@ def _described(tensor: torch.Tensor) -> tuple[object, ...]:
 @needs_native
 @settings(max_examples=300, deadline=None)
 @given(rows=st.lists(_rows(valid=True), max_size=12))
+@example(rows=[("v", "F32", (), (), 0, 0)])  # no shape entry at all
+@example(rows=[("v", "F32", (2,), (1,), 0, 8), ("v", "F32", (), (), 8, 4)])  # 0-d last
 def test_valid_views_are_built_alike(rows: list[ViewRow]) -> None:
     base = torch.arange(ARENA_BYTES, dtype=torch.int64).to(torch.uint8)
     columns = _columns(rows)
@@ -126,6 +135,10 @@ def test_valid_views_are_built_alike(rows: list[ViewRow]) -> None:
 @example(rows=[("v", "BF16", (2**62,), (0,), 0, 0)])
 @example(rows=[("v", "BF16", (2**62,), (0,), 0, 8)])
 @example(rows=[("v", "BF16", (2**62, 4), (0, 0), 0, 0)])
+# Empty, with sizes whose product passes 2**63 - 1 (torch: refused once it passes 2**64,
+# even before the 0).
+@example(rows=[("v", "U8", (2, 2**62, 0), (0, 0, 0), 0, 0)])
+@example(rows=[("v", "U8", (2**62, 8, 0), (1, 1, 1), 0, 0)])
 def test_the_compiled_module_refuses_what_the_python_checks_refuse(rows: list[ViewRow]) -> None:
     base = torch.zeros(ARENA_BYTES, dtype=torch.uint8)
     columns = _columns(rows)
@@ -190,3 +203,38 @@ def test_a_negative_size_or_stride_beside_a_zero_size_is_refused(
 
     assert caught.value.reason == "INVALID_HANDLE"
     assert str(caught.value).endswith(f"tensor 't0': shape {shape} and stride {stride} disagree")
+
+
+@needs_native
+def test_ranks_that_wrap_around_are_refused_before_any_read() -> None:
+    """sum(ranks) over 64 bits wraps to the length of ``shape``: refused as too many."""
+    assert NATIVE is not None
+    typed = [torch.zeros(16, dtype=torch.uint8)]
+    ranks = [1, 2**63 - 1, 2**63 - 1, 2]
+
+    with pytest.raises(ValueError, match="fewer than sum"):
+        NATIVE.views(typed, [0] * 4, ranks, [4], [1], [0] * 4, [0] * 4, 16)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "as_strided"])
+def test_a_write_through_a_tied_name_is_seen_by_autograd(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """Two names over the same bytes share the arena's version counter on both paths:
+    a backward that saved one of them refuses once the other was written in place."""
+    if compiled and NATIVE is None:
+        pytest.skip("weightcache._views is not built")
+    if not compiled:
+        monkeypatch.setattr(_handles, "_NATIVE", None)
+    columns = _columns([("v", "F32", (4,), (1,), 0, 16), ("v", "F32", (4,), (1,), 0, 16)])
+    weight, tied = _handles.build_views(
+        torch.zeros(ARENA_BYTES, dtype=torch.uint8), columns
+    ).values()
+    x = torch.ones(4, requires_grad=True)
+    y = (x * weight).sum()
+    with torch.no_grad():
+        tied.add_(1)
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.backward(y)
+    assert torch.equal(weight, torch.ones(4))

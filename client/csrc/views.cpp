@@ -5,8 +5,8 @@
 // same bytes, sizes and strides torch.as_strided gives, without going through the
 // dispatcher per tensor (measured: 0.4-0.5 us a tensor against 1.3-1.5 us for
 // torch.as_strided from Python, 100k tensors, one CPU of the 2-CPU development VM).
-// The tensors are not autograd views of the arena: like the tensors of
-// safetensors.torch.load_file, each has no _base and a version counter of its own.
+// The tensors are not autograd views of the arena (no _base), but share its version
+// counter, as its views do: autograd sees an in-place write through any of them.
 //
 // Every row is checked before any tensor is made; the checks are the ones
 // torch.as_strided makes (checkInBoundsForStorage in aten/src/ATen/native/Resize.h: the
@@ -15,9 +15,11 @@
 // which torch lets by beside a zero size; an offset aligned to the dtype and inside the
 // arena even for an empty tensor; the nbytes the daemon sent). A row that fails raises ValueError naming its index; the caller then
 // builds the views one by one to name the tensor at fault.
+#include <c10/util/safe_numerics.h>
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -53,11 +55,15 @@ int64_t reach(size_t row, const int64_t* sizes, const int64_t* strides, int64_t 
   return bytes;
 }
 
+// The number of elements, refused past 2**63 - 1 as torch refuses it (its own
+// TensorImpl::safe_compute_numel: the product in uint64, an overflow anywhere counting
+// even if a later size is 0). Sizes are non-negative here (reach checked them).
 int64_t numel(size_t row, const int64_t* sizes, int64_t rank) {
-  int64_t n = 1;
-  for (int64_t d = 0; d < rank; ++d)
-    if (__builtin_mul_overflow(n, sizes[d], &n)) refuse(row, "overflows");
-  return n;
+  uint64_t n = 1;
+  if (c10::safe_multiplies_u64(sizes, sizes + rank, &n) ||
+      n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    refuse(row, "more than 2**63 - 1 elements");
+  return static_cast<int64_t>(n);
 }
 
 void check_columns(const std::vector<at::Tensor>& typed, const Ints& which, const Ints& ranks,
@@ -68,15 +74,15 @@ void check_columns(const std::vector<at::Tensor>& typed, const Ints& which, cons
     throw pybind11::value_error("per-tensor columns differ in length");
   if (shape.size() != stride.size())
     throw pybind11::value_error("shape and stride differ in length");
-  int64_t entries = 0;
+  size_t entries = 0;  // never past shape.size(): nothing added can overflow
   for (size_t i = 0; i < n; ++i) {
     if (ranks[i] < 0 || which[i] < 0 || which[i] >= static_cast<int64_t>(typed.size()))
       refuse(i, "rank or dtype out of range");
-    entries += ranks[i];
-    if (entries > static_cast<int64_t>(shape.size()))
+    if (static_cast<uint64_t>(ranks[i]) > shape.size() - entries)
       throw pybind11::value_error("shape and stride hold fewer than sum(ranks) entries");
+    entries += static_cast<size_t>(ranks[i]);
   }
-  if (entries != static_cast<int64_t>(shape.size()))
+  if (entries != shape.size())
     throw pybind11::value_error("shape and stride hold more than sum(ranks) entries");
   for (const auto& t : typed) {
     if (t.dim() != 1 || t.storage_offset() != 0 || !t.is_contiguous() || !t.has_storage())
@@ -106,12 +112,13 @@ std::vector<at::Tensor> views(const std::vector<at::Tensor>& typed, const Ints& 
     const int64_t offset = byte_offsets[i];
     if (offset < 0 || offset > size) refuse(i, "offset outside the arena");
     if (offset % item) refuse(i, "misaligned offset");
-    const int64_t bytes = reach(i, &shape[at], &stride[at], ranks[i], item);
+    // data() + at, not &shape[at]: a last row of rank 0 has at == shape.size().
+    const int64_t bytes = reach(i, shape.data() + at, stride.data() + at, ranks[i], item);
     if (bytes > size - offset) refuse(i, "reaches past the arena");
-    // torch refuses more than 2**63 - 1 elements (TensorImpl::compute_numel), even when
-    // a stride of 0 keeps them in a few bytes; their length in bytes may overflow, but
-    // is only computed against an nbytes sent (0: a daemon older than the column).
-    const int64_t elements = numel(i, &shape[at], ranks[i]);
+    // More than 2**63 - 1 elements is refused even when a stride of 0 keeps them in a
+    // few bytes; their length in bytes may overflow, but is only computed against an
+    // nbytes sent (0: a daemon older than the column).
+    const int64_t elements = numel(i, shape.data() + at, ranks[i]);
     int64_t length = 0;
     if (nbytes[i] && (__builtin_mul_overflow(elements, item, &length) || nbytes[i] != length))
       refuse(i, "nbytes disagrees with its shape");
@@ -124,9 +131,12 @@ std::vector<at::Tensor> views(const std::vector<at::Tensor>& typed, const Ints& 
     const at::Tensor& arena = typed[which[i]];
     auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(arena.storage()),
                                                      arena.key_set(), arena.dtype());
-    impl->set_sizes_and_strides(at::IntArrayRef(&shape[at], ranks[i]),
-                                at::IntArrayRef(&stride[at], ranks[i]),
+    impl->set_sizes_and_strides(at::IntArrayRef(shape.data() + at, ranks[i]),
+                                at::IntArrayRef(stride.data() + at, ranks[i]),
                                 byte_offsets[i] / static_cast<int64_t>(arena.element_size()));
+    // The arena's version counter, as a view of it would share: an in-place write
+    // through one tensor (a tied name's too) is seen by autograd through every other.
+    impl->set_version_counter(arena.unsafeGetTensorImpl()->version_counter());
     out.emplace_back(std::move(impl));
     at += ranks[i];
   }

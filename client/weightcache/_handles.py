@@ -318,8 +318,7 @@ _NBYTES = operator.attrgetter("nbytes")
 def _compiled_views(base: torch.Tensor, views: ViewColumns) -> list[torch.Tensor] | None:
     """The views built by ``weightcache._views`` (client/csrc/views.cpp), in order; None
     where it is not built or ``base`` is not on CPU. They are not autograd views of the
-    arena (no ``_base``; like ``safetensors.torch.load_file``'s tensors, each has its own
-    version counter).
+    arena (no ``_base``), but share its version counter as its views do.
 
     Raises:
         KeyError: a dtype is unknown.
