@@ -250,12 +250,13 @@ def build_views(base: torch.Tensor, views: ViewColumns) -> dict[str, torch.Tenso
     """Build one tensor per view of a 1-D ``uint8`` tensor holding the arena.
 
     The bounds are torch's: ``torch.as_strided`` refuses a view that reaches past its
-    storage (``checkInBoundsForStorage``), a negative size or stride, or a stride list of
-    another length than the shape (``weightcache._views`` checks the same, in C++). What
-    torch does not check of a view (its byte offset's alignment and, for an empty view,
-    its place) is checked here, and so is the byte length the daemon sent (``nbytes``,
-    when not 0: a daemon and a client that disagree on a dtype's size would read other
-    bytes than the daemon wrote).
+    storage (``checkInBoundsForStorage``) or holds more than 2**63 - 1 elements
+    (``weightcache._views`` checks the same, in C++). Checked here, before torch: a stride
+    list of the shape's length and no negative size or stride (torch lets a negative size
+    by beside a zero one). Checked here, as torch does not: a byte offset aligned to the
+    dtype and, for an empty view, inside the arena; and the byte length the daemon sent
+    (``nbytes``, when not 0: a daemon and a client that disagree on a dtype's size would
+    read other bytes than the daemon wrote).
 
     The views are built column by column: on CPU by ``weightcache._views`` in one call
     (the same checks, in C++), else by :func:`_bulk_views` (one ``torch.as_strided`` per
