@@ -23,7 +23,6 @@ import stat
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from types import ModuleType
 
 import torch
@@ -106,64 +105,9 @@ class MappedArena:
         self.base = torch.empty(0, dtype=torch.uint8, device=self.base.device).set_(storage)
 
 
-@dataclass(frozen=True)
-class ViewPlan:
-    """Views :func:`build_views` accepted over an arena of ``size`` bytes, to build again
-    over another mapping of the same arena (the next load sharing a lease,
-    :mod:`weightcache._sharing`). On CPU with ``weightcache._views`` they are built from
-    the columns as the first time (checks included: they cost little there); otherwise
-    from the arguments of their ``torch.as_strided`` calls, made once at the first
-    such build, unchecked.
-
-    Attributes:
-        size: the arena's size in bytes.
-        views: the views, as accepted.
-    """
-
-    size: int
-    views: ViewColumns
-
-    @classmethod
-    def of(cls, views: ViewColumns, size: int) -> ViewPlan:
-        """The plan of ``views``, which :func:`build_views` accepted over an arena of
-        ``size`` bytes (not checked again here)."""
-        return cls(size=size, views=views)
-
-    @cached_property
-    def _strided_args(
-        self,
-    ) -> tuple[list[torch.dtype], list[tuple[int, ...]], list[tuple[int, ...]], list[int]]:
-        """Each view's dtype, sizes, strides and offset in elements of its dtype."""
-        views = self.views
-        dtypes = [TORCH_DTYPES[dtype] for dtype in views.dtypes]
-        cuts = list(views.cuts())
-        return (
-            dtypes,
-            [tuple(views.shape[cut]) for cut in cuts],
-            [tuple(views.stride[cut]) for cut in cuts],
-            [o // d.itemsize for o, d in zip(views.byte_offsets, dtypes, strict=True)],
-        )
-
-    def build(self, base: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The views over ``base``, a 1-D ``uint8`` tensor of :attr:`size` bytes.
-
-        Raises:
-            HandleError: ``base`` is not of :attr:`size` bytes.
-        """
-        if base.numel() != self.size:
-            raise HandleError(f"an arena of {base.numel()} bytes, not the {self.size} planned")
-        try:
-            built = _compiled_views(base, self.views)
-        except ValueError:  # a view it refuses that as_strided took: never seen, but safe
-            built = None
-        if built is None:
-            built = _strided(base, *self._strided_args)
-        return dict(zip(self.views.names, built, strict=True))
-
-
 def open_shared_memory(
     handle: SharedMemoryHandle,
-    views: ViewColumns | ViewPlan,
+    views: ViewColumns,
     *,
     copy: bool,
     owner: int | None = None,
@@ -172,7 +116,7 @@ def open_shared_memory(
 
     Args:
         handle: the arena's path and size in bytes.
-        views: tensor views of the arena, or their plan (built unchecked).
+        views: tensor views of the arena.
         copy: copy the whole arena into private memory first (one memcpy, tied views stay
             tied); the mapping is closed before returning.
         owner: uid the segment must belong to (the daemon's); None skips the check.
@@ -199,8 +143,7 @@ def open_shared_memory(
         base = base.clone()
         # The clone owns its bytes; the mapping can go now that no tensor views it.
         del mapping
-    tensors = views.build(base) if isinstance(views, ViewPlan) else build_views(base, views)
-    return MappedArena(tensors=tensors, base=base, size=size)
+    return MappedArena(tensors=build_views(base, views), base=base, size=size)
 
 
 def open_cuda_ipc(handle: CudaIpcHandle, views: ViewColumns, *, copy: bool) -> MappedArena:

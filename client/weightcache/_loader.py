@@ -621,7 +621,7 @@ class _Attach:
                     f"the daemon socket {self.socket} now belongs to uid {owner}, not "
                     f"{answer.owner}, which granted this process's lease"
                 )
-            arena = open_shared_memory(answer.storage, held.plan(), copy=False, owner=owner)
+            arena = open_shared_memory(answer.storage, answer.views, copy=False, owner=owner)
         except BaseException:
             self._give_back(held)
             raise

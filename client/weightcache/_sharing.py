@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from weightcache._handles import MappedArena, ViewPlan
+from weightcache._handles import MappedArena
 from weightcache._lease import ClientLease
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.per_process import PerProcess
@@ -71,14 +71,6 @@ class SharedLease:
         # load dropped without close() are still made private on a revoke.
         self._arenas: dict[int, MappedArena] = {}
         self._privatizing = False
-        self._plan: ViewPlan | None = None
-
-    def plan(self) -> ViewPlan:
-        """The views of :attr:`answer` as a :class:`ViewPlan` (made at the first call:
-        the first load, which built them checked, pays nothing for it)."""
-        if self._plan is None:
-            self._plan = ViewPlan.of(self.answer.views, self.answer.storage.size)
-        return self._plan
 
     @property
     def live(self) -> bool:
