@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 from weightcache.testing import Daemon, HarnessError, run_daemon
 
 WORKER = Path(__file__).with_name("attach_worker.py")
-MODES = ("attach", "copy", "disk", "safetensors", "fingerprint")
+MODES = ("attach", "copy", "disk", "safetensors", "fingerprint", "rpc")
 DEFAULT_MODES = "attach,copy,disk,fingerprint"
 TIMED = {
     "attach": "weightcache.load(dir, socket=S) [zero_copy] + first byte of every tensor",
@@ -57,6 +57,7 @@ TIMED = {
     "disk": "weightcache.load_from_disk(dir) + first byte of every tensor",
     "safetensors": "safetensors.torch.load_file(shard) per shard + first byte of every tensor",
     "fingerprint": 'open_checkpoint(dir) + compute_fingerprint(.., "sampled") (part of each)',
+    "rpc": "a new gRPC channel to the daemon + one ListModels call (the floor under attach)",
 }
 #: safetensors dtype name -> (torch dtype, share of the tensors).
 DTYPES = {"BF16": (torch.bfloat16, 0.5), "F16": (torch.float16, 0.25), "F32": (torch.float32, 0.25)}

@@ -4,15 +4,18 @@ Usage::
 
     python bench/attach_worker.py MODE MODEL_DIR --socket S --out F [--pt FILE]
 
-MODE is one of attach, copy, disk, safetensors, fingerprint (``attach_vs_disk.py``) or
-safe_open, torch_load, mmap (the other loaders ``matrix.py`` compares).
+MODE is one of attach, copy, disk, safetensors, fingerprint, rpc (``attach_vs_disk.py``)
+or safe_open, torch_load, mmap (the other loaders ``matrix.py`` compares).
 
 Writes ``{"seconds", "load_seconds", "source", "tensors", "touched"}`` as JSON to ``--out``.
 What is timed starts after the imports: the load call, then reading the first byte of
 every tensor (so a zero-copy attach pays for one page fault per tensor, not for every
 byte); ``load_seconds`` stops before that touch (``seconds`` includes it). For
 ``safetensors`` the load is ``safetensors.torch.load_file`` of every shard; for
-``fingerprint`` it is ``open_checkpoint`` plus the sampled ``compute_fingerprint``. The
+``fingerprint`` it is ``open_checkpoint`` plus the sampled ``compute_fingerprint``; for
+``rpc``, a new gRPC channel to the daemon and one ``ListModels`` call, what any first
+load that asks the daemon pays at least in a fresh process (its ``tensors`` is the sum of
+the listed models' ``tensor_count``; nothing is touched). The
 other peers, each followed by the same touch: ``safe_open`` is ``safetensors.safe_open`` +
 ``get_tensor`` of every tensor of every shard; ``torch_load`` is
 ``torch.load(FILE, mmap=True, weights_only=True)`` of the ``--pt`` file (written beforehand
@@ -36,6 +39,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+import grpc._channel  # what the SDK imports with itself (weightcache.core.rpc), for rpc
 import safetensors.torch
 import torch
 
@@ -43,8 +48,13 @@ import weightcache
 from weightcache import Placement, Recipe
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS, Level
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
-MODES = ("attach", "copy", "disk", "safetensors", "fingerprint", "safe_open", "torch_load", "mmap")
+MODES = (
+    "attach", "copy", "disk", "safetensors", "fingerprint", "rpc", "safe_open", "torch_load",
+    "mmap",
+)  # fmt: skip
 
 
 def touch(tensors: dict[str, torch.Tensor]) -> int:
@@ -200,6 +210,23 @@ def fingerprint_only(model_dir: str) -> dict[str, object]:
     }
 
 
+def rpc_only(socket: str) -> dict[str, object]:
+    """Time a new gRPC channel to the daemon and one ``ListModels`` call; returns the
+    result fields (``tensors``: the listed models' tensor count)."""
+    start = time.perf_counter()
+    channel = grpc.insecure_channel(f"unix:{socket}")
+    reply = pb_grpc.WeightCacheServiceStub(channel).ListModels(pb.ListModelsRequest())
+    seconds = time.perf_counter() - start
+    channel.close()
+    return {
+        "seconds": seconds,
+        "load_seconds": seconds,
+        "source": "-",
+        "tensors": sum(model.tensor_count for model in reply.models),
+        "touched": 0,
+    }
+
+
 def main() -> None:
     """Parse the arguments, run one timed load, write the JSON result."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -224,6 +251,8 @@ def main() -> None:
         result = torch_load_and_touch(args.pt)
     elif args.mode == "mmap":
         result = mmap_and_touch(args.model_dir)
+    elif args.mode == "rpc":
+        result = rpc_only(args.socket)
     else:
         result = load_and_touch(args.mode, args.model_dir, args.socket, args.level)
     with open(args.out, "w") as out:

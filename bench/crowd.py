@@ -7,8 +7,8 @@ Run with ``.venv/bin/python bench/crowd.py [--workers 64] [--rounds 3] [options]
    temporary folder under /tmp;
 2. start ``weightcache preload`` on it, on its own socket, and wait until it is ready
    (``attach_vs_disk.preloaded``);
-3. ``--rounds`` times, alternately, a crowd of ``--workers`` fresh processes per mode
-   (``attach`` first, then ``load_file``, so that drift hits both):
+3. ``--rounds`` times, alternately, a crowd of ``--workers`` fresh processes per mode of
+   ``--modes`` (default ``attach,load_file``, in that order, so that drift hits both):
 
    - each worker (this script with ``--worker``) imports torch, safetensors and
      ``weightcache``, resolves ``weightcache.load`` (a lazy attribute), reports ``ready``
@@ -22,7 +22,9 @@ Run with ``.venv/bin/python bench/crowd.py [--workers 64] [--rounds 3] [options]
    - each worker times (``perf_counter``, and its CPU time with ``process_time``, all its
      threads) ``weightcache.load(dir, socket=S, fallback=False)`` (``attach``) or
      ``safetensors.torch.load_file`` of every shard (``load_file``), then the first byte of
-     every tensor (``attach_worker.touch``); reports seconds, CPU seconds, source and tensor
+     every tensor (``attach_worker.touch``), or, in mode ``rpc``, opens a gRPC channel to the
+     daemon and makes one ``GetServerInfo`` call (the floor any gRPC client pays in a fresh
+     process, under attach's Acquire); reports seconds, CPU seconds, source and tensor
      count; then holds its weights until every worker of the crowd has reported (stdin
      closed), and only then releases them (``close()``, not timed) and exits;
 4. print, per mode, p50/p90/p99/max of the load times over all workers of all rounds, the
@@ -64,13 +66,17 @@ from attach_vs_disk import (
 )
 from attach_worker import shards, touch
 
-MODES = ("attach", "load_file")
+MODES = ("attach", "load_file", "rpc")
+#: What ``--modes`` runs unless told otherwise.
+DEFAULT_MODES = ("attach", "load_file")
 TIMED = {
     "attach": "weightcache.load(dir, socket=S, fallback=False) [zero_copy]"
     " + first byte of every tensor",
     "load_file": "safetensors.torch.load_file(shard) of every shard + first byte of every tensor",
+    "rpc": "a new gRPC channel to the daemon and one GetServerInfo call: what any gRPC"
+    " client pays in a fresh process, the floor under attach",
 }
-SOURCES = {"attach": "cache", "load_file": "disk"}
+SOURCES = {"attach": "cache", "load_file": "disk", "rpc": "none"}
 #: Seconds a crowd may take to start (64 processes importing torch on 2 CPUs: about a minute).
 READY_TIMEOUT = 900.0
 #: Seconds a crowd may take from the start signal to the last report.
@@ -98,10 +104,13 @@ def emit(message: dict[str, Any]) -> None:
 
 def worker_main(mode: str, model_dir: str, socket: str, start_fd: int) -> int:
     """One worker of a crowd (step 3 of the module docstring); returns its exit status."""
+    import grpc
     import safetensors.torch
     import torch
 
     import weightcache
+    from weightcache.v1 import weight_cache_service_pb2 as pb
+    from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
     load = weightcache.load  # a lazy attribute: resolved before the start signal
     load_file = safetensors.torch.load_file
@@ -112,12 +121,19 @@ def worker_main(mode: str, model_dir: str, socket: str, start_fd: int) -> int:
     cpu = time.process_time()
     start = time.perf_counter()
     weights: weightcache.LoadedWeights | None = None
+    channel: grpc.Channel | None = None
+    tensors: dict[str, torch.Tensor] = {}
+    source: str
     if mode == "attach":
         weights = load(model_dir, socket=socket, fallback=False)
         tensors = weights.tensors
         source = weights.source
+    elif mode == "rpc":
+        # Kept open, as attach keeps its channel: closed with the weights, not timed.
+        channel = grpc.insecure_channel(f"unix:{socket}")
+        info = pb_grpc.WeightCacheServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest())
+        source = "none" if info.version else "a reply without a version"
     else:
-        tensors = {}
         for path in files:
             tensors.update(load_file(path))
         source = "disk"
@@ -141,6 +157,8 @@ def worker_main(mode: str, model_dir: str, socket: str, start_fd: int) -> int:
     sys.stdin.read()  # hold the weights until the whole crowd has reported
     if weights is not None:
         weights.close()
+    if channel is not None:
+        channel.close()
     del tensors
     assert torch is not None  # imported for its import cost and RSS, as a real worker
     return 0
@@ -404,25 +422,26 @@ def ms(value: float) -> str:
 
 def print_results(results: list[CrowdResult], args: argparse.Namespace) -> None:
     """The tables of step 4."""
-    by_mode = {mode: [r for r in results if r.mode == mode] for mode in MODES}
+    by_mode = {mode: [r for r in results if r.mode == mode] for mode in args.modes}
     samples = {mode: [s for r in rs for s in r.seconds] for mode, rs in by_mode.items()}
     print()
     print(
         f"  load time, ms, over all workers of all rounds "
-        f"({args.workers} workers x {args.rounds} rounds = {len(samples['attach'])} per mode):"
+        f"({args.workers} workers x {args.rounds} rounds = {args.workers * args.rounds} "
+        "per mode):"
     )
     print(f"  {'mode':<11}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}{'min':>9}")
     p99 = {}
-    for mode in MODES:
+    for mode in args.modes:
         p50, p90, p99[mode], top = percentiles(samples[mode])
         print(
             f"  {mode:<11}{ms(p50):>9}{ms(p90):>9}{ms(p99[mode]):>9}{ms(top):>9}"
             f"{ms(min(samples[mode])):>9}"
         )
-    print(
-        f"  load_file p99 / attach p99: {p99['load_file'] / p99['attach']:.2f}x"
-        " (above 1: attach faster)"
-    )
+    if "attach" in p99:
+        for mode in (m for m in args.modes if m != "attach"):
+            print(f"  {mode} p99 / attach p99: {p99[mode] / p99['attach']:.2f}x")
+        print("  (above 1: attach faster)")
     print()
     print("  per round, ms: p50 / p99 / max of the crowd; last done after the signal;")
     print("  wake: when the workers returned from read() after the signal, p50 / max")
@@ -437,7 +456,7 @@ def print_results(results: list[CrowdResult], args: argparse.Namespace) -> None:
     print()
     print("  CPU per load, ms (worker: process_time around the timed part, all its threads;")
     print("  daemon: its CPU from the signal to the last report, over the crowd's loads):")
-    for mode in MODES:
+    for mode in args.modes:
         cpu = [c for r in by_mode[mode] for c in r.cpu_seconds]
         daemon = sum(r.daemon_cpu for r in by_mode[mode]) / len(samples[mode])
         print(
@@ -453,7 +472,7 @@ def print_results(results: list[CrowdResult], args: argparse.Namespace) -> None:
         f"RssAnon median {statistics.median(ready_anon) / 1024:.0f} MiB "
         f"(max {max(ready_anon) / 1024:.0f})"
     )
-    for mode in MODES:
+    for mode in args.modes:
         anon = [k for r in by_mode[mode] for k in r.done_anon_kib]
         print(
             f"    after the load, {mode:<10} "
@@ -461,7 +480,7 @@ def print_results(results: list[CrowdResult], args: argparse.Namespace) -> None:
             f"(max {max(anon) / 1024:.0f})"
         )
     print()
-    for mode in MODES:
+    for mode in args.modes:
         print(f"  {mode:<10} {TIMED[mode]}")
 
 
@@ -469,13 +488,14 @@ def run_bench(args: argparse.Namespace, tmp: Path) -> bool:
     """Steps 1-5 of the module docstring; True when every load was right (a failure
     raises)."""
     folder, specs = new_checkpoint(tmp, args.tensors, args.size_mib * 2**20, args.seed)
-    title = "weightcache benchmark: a crowd of workers loading at once, attach vs load_file"
+    modes = " vs ".join(args.modes)
+    title = f"weightcache benchmark: a crowd of workers loading at once, {modes}"
     print_header(title, specs, args.shards, folder, "MiB")
     need = args.workers * WORKER_MIB + 2 * args.size_mib + 1024
     have = mem_available_mib()
     print(
         f"  crowd: {args.workers} fresh processes per mode and round, {args.rounds} rounds, "
-        f"modes alternating (attach, load_file)"
+        f"modes alternating ({', '.join(args.modes)})"
     )
     print("  start signal: all block in read() on one pipe; the parent closes its write end")
     print(f"  memory: {have / 1024:.1f} GiB available, {need / 1024:.1f} GiB asked for")
@@ -488,7 +508,7 @@ def run_bench(args: argparse.Namespace, tmp: Path) -> bool:
     results: list[CrowdResult] = []
     with preloaded(folder, tmp, timeout=900) as daemon:
         for round_ in range(1, args.rounds + 1):
-            for mode in MODES:
+            for mode in args.modes:
                 results.append(
                     run_crowd(
                         mode,
@@ -498,7 +518,7 @@ def run_bench(args: argparse.Namespace, tmp: Path) -> bool:
                         daemon_pid=daemon.pid,
                         socket=daemon.socket,
                         tmp=tmp,
-                        expected=len(specs),
+                        expected=0 if mode == "rpc" else len(specs),
                     )
                 )
     print_results(results, args)
@@ -520,7 +540,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--no-memory-check", action="store_true", help="start even if memory looks short"
     )
+    parser.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, run in this order each round, of: {', '.join(MODES)}",
+    )
     args = parser.parse_args()
+    args.modes = tuple(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
+    if not args.modes or not set(args.modes) <= set(MODES):
+        parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
     if min(args.workers, args.rounds, args.size_mib, args.tensors, args.shards) < 1:
         parser.error("--workers, --rounds, --size-mib, --tensors and --shards must be positive")
     if args.shards > args.tensors:

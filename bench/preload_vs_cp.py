@@ -17,7 +17,11 @@ Run with ``.venv/bin/python bench/preload_vs_cp.py [options]``.
 ``--first-preload`` times instead what a first preload at the default level ``full``
 costs, fingerprint included: one daemon (``--allow-remote-preload``, its hash cache in a
 folder of its own, emptied before every run) is asked for the checkpoint by a remote
-``Preload`` timed from the request to its last message, then the model is evicted.
+``Preload`` timed from the request to its last message, then the model is evicted. Each
+run also times the sha256 of every shard alone (``hash``: the daemon's own
+``fd_sha256``, one thread a shard and at most one a core, as the daemon hashes, into an
+empty hash cache): a first preload reads and hashes every byte, so ``cp`` / ``hash`` is
+the most that ``cp`` / first preload can reach on the machine.
 
 The page cache is warm by default (the files were just written). ``--drop-caches`` (root
 with a writable /proc/sys) drops it before every run; ``--evict`` instead asks the kernel
@@ -31,12 +35,14 @@ import argparse
 import contextlib
 import functools
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -52,6 +58,7 @@ from attach_vs_disk import (
     write_checkpoint,
 )
 
+from weightcache.core.hashcache import fd_sha256
 from weightcache.core.rpc import target
 from weightcache.testing import run_daemon
 from weightcache.testing.daemon import list_models
@@ -75,23 +82,46 @@ def evict(files: list[Path]) -> None:
             os.close(fd)
 
 
-def time_cp(files: list[Path]) -> float:
-    """Seconds of one ``cp`` of ``files`` into a fresh folder under /dev/shm (removed after).
+def time_cp(files: list[Path]) -> tuple[float, float]:
+    """Seconds of one ``cp`` of ``files`` into a fresh folder under /dev/shm (removed
+    after), and the CPU seconds it took (user + system, from ``RUSAGE_CHILDREN``).
 
     Raises:
         BenchError: cp failed.
     """
     target = Path(tempfile.mkdtemp(prefix="wcbench-cp-", dir="/dev/shm"))
     try:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         begin = time.monotonic()
         command = ["cp", *map(str, files), str(target)]
         done = subprocess.run(command, capture_output=True, check=False)
         seconds = time.monotonic() - begin
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
             raise BenchError(f"cp exited {done.returncode}: {done.stderr.decode()}")
-        return seconds
+        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        return seconds, cpu
     finally:
         shutil.rmtree(target, ignore_errors=True)
+
+
+def time_hash(files: list[Path], tmp: Path) -> tuple[float, float]:
+    """Seconds to sha256 every shard of ``files`` as a first preload does (one thread a
+    shard, at most one a core, ``fd_sha256`` into an empty hash cache under ``tmp``), and
+    the CPU seconds it took (this process's, all threads)."""
+    cache = Path(tempfile.mkdtemp(prefix="hashes-", dir=tmp))
+    fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in files]
+    try:
+        workers = max(1, min(len(files), os.cpu_count() or 1))
+        cpu = time.process_time()
+        begin = time.monotonic()
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda fd, path: fd_sha256(fd, path, cache), fds, files))
+        return time.monotonic() - begin, time.process_time() - cpu
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def peak_rss(pid: int) -> int:
@@ -175,7 +205,8 @@ def _run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> bo
     cache = "COLD (drop_caches)" if args.drop_caches else "WARM"
     cache = "COLD-ish (fadvise DONTNEED of the shards)" if args.evict else cache
     print(f"  page cache: {cache} before every run")
-    print(f"  runs: {args.repeat} of each, interleaved (cp, preload, cp, preload, ...)")
+    order = "cp, hash, preload" if args.first_preload else "cp, preload"
+    print(f"  runs: {args.repeat} of each, interleaved ({order}, {order}, ...)")
     if args.first_preload:
         print("  preload: a first one at level full (empty hash cache), fingerprint included")
     begin = time.monotonic()
@@ -185,26 +216,38 @@ def _run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> bo
     files = shard_files(folder)
     size = sum(f.stat().st_size for f in files)
     cp_s: list[float] = []
+    hash_s: list[float] = []
     preload_s: list[float] = []
+    cpu_s: dict[str, list[float]] = {"cp": [], "hash": []}
     for number in range(args.repeat):
-        for what in ("cp", "preload"):
+        for what in ("cp", "hash", "preload") if first else ("cp", "preload"):
             if args.drop_caches:
                 drop_caches()
             elif args.evict:
                 evict(files)
             if what == "cp":
-                cp_s.append(time_cp(files))
+                seconds, cpu = time_cp(files)
+                cp_s.append(seconds)
+                cpu_s["cp"].append(cpu)
+                continue
+            if what == "hash":
+                seconds, cpu = time_hash(files, tmp)
+                hash_s.append(seconds)
+                cpu_s["hash"].append(cpu)
                 continue
             seconds, peak, arena = first.time() if first else time_preload(folder, tmp)
             preload_s.append(seconds)
+            hashed = f", hash {fmt_seconds(hash_s[-1])}" if hash_s else ""
             print(
-                f"  run {number + 1}: cp {fmt_seconds(cp_s[-1])}, preload {fmt_seconds(seconds)}"
-                f"; daemon peak RSS {peak / 2**20:.0f} MiB (arena {arena / 2**20:.0f} MiB)",
+                f"  run {number + 1}: cp {fmt_seconds(cp_s[-1])}{hashed}, "
+                f"preload {fmt_seconds(seconds)}; daemon peak RSS {peak / 2**20:.0f} MiB "
+                f"(arena {arena / 2**20:.0f} MiB)",
                 flush=True,
             )
     print()
     print(f"  {'':<8}{'median':>10}{'min':>10}{'max':>10}{'GiB/s (median)':>18}")
-    for name, values in (("cp", cp_s), ("preload", preload_s)):
+    rows = (("cp", cp_s), ("hash", hash_s), ("preload", preload_s))
+    for name, values in ((name, values) for name, values in rows if values):
         median = statistics.median(values)
         print(
             f"  {name:<8}{fmt_seconds(median):>10}{fmt_seconds(min(values)):>10}"
@@ -212,7 +255,27 @@ def _run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> bo
         )
     ratio = statistics.median(cp_s) / statistics.median(preload_s)
     print(f"\n  cp / preload (medians): {ratio:.2f}x")
+    if hash_s:
+        print_floor(cp_s, hash_s, cpu_s)
     return True
+
+
+def print_floor(cp_s: list[float], hash_s: list[float], cpu_s: dict[str, list[float]]) -> None:
+    """How fast a first preload could be on this machine: it must hash every byte and
+    copy every byte, so it takes at least the hash alone, and at least the CPU of both
+    spread over every core."""
+    cores = os.cpu_count() or 1
+    cp_cpu, hash_cpu = (statistics.median(cpu_s[k]) for k in ("cp", "hash"))
+    floor = max(statistics.median(hash_s), (cp_cpu + hash_cpu) / cores)
+    print(
+        f"  CPU (medians): cp {fmt_seconds(cp_cpu)}, hash {fmt_seconds(hash_cpu)}; "
+        f"floor of a first preload: max(hash, (cp CPU + hash CPU) / {cores} cores) = "
+        f"{fmt_seconds(floor)}"
+    )
+    print(
+        f"  cp / floor: {statistics.median(cp_s) / floor:.2f}x, "
+        "the most cp / first preload can reach here"
+    )
 
 
 def parse_args() -> argparse.Namespace:
