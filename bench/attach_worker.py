@@ -40,11 +40,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-import grpc._channel  # what the SDK imports with itself (weightcache.core.rpc), for rpc
 import safetensors.torch
 import torch
 
 import weightcache
+import weightcache.core.rpc  # imports grpc's channel module (for rpc, as for attach)
 from weightcache import Placement, Recipe
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS, Level

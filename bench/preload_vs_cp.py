@@ -20,8 +20,10 @@ folder of its own, emptied before every run) is asked for the checkpoint by a re
 ``Preload`` timed from the request to its last message, then the model is evicted. Each
 run also times the sha256 of every shard alone (``hash``: the daemon's own
 ``fd_sha256``, one thread a shard and at most one a core, as the daemon hashes, into an
-empty hash cache): a first preload reads and hashes every byte, so ``cp`` / ``hash`` is
-the most that ``cp`` / first preload can reach on the machine.
+empty hash cache), and the CPU seconds of ``cp`` and of the hash. A first preload must
+hash every byte and copy every byte, so it takes at least the hash alone and at least the
+CPU of both spread over the cores: ``cp`` / that floor is printed as the most that ``cp``
+/ first preload can reach on the machine.
 
 The page cache is warm by default (the files were just written). ``--drop-caches`` (root
 with a writable /proc/sys) drops it before every run; ``--evict`` instead asks the kernel
