@@ -288,17 +288,16 @@ def measure(
     cold: bool,
     expected: int,
     extra: Sequence[str] = (),
-    loads: dict[str, list[float]] | None = None,
-) -> dict[str, list[float]]:
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Run every mode of ``modes`` ``repeat`` times, interleaved (``extra``: further worker
-    arguments); returns seconds per mode, and puts each run's seconds to the load call's
-    return (the touch not timed) in ``loads``, when given.
+    arguments); returns seconds per mode with the touch, and to the load call's return.
 
     Raises:
         BenchError: a worker failed, loaded from the wrong source or saw the wrong number
             of tensors.
     """
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    loads: dict[str, list[float]] = {mode: [] for mode in modes}
     sources = dict.fromkeys(("attach", "copy"), "cache")
     sources |= dict.fromkeys(("disk", "safetensors", "safe_open", "torch_load", "mmap"), "disk")
     for _ in range(repeat):
@@ -312,9 +311,8 @@ def measure(
                     f"{mode}: expected {expected} tensors from {want_source}: {result}"
                 )
             seconds[mode].append(result["seconds"])
-            if loads is not None:
-                loads.setdefault(mode, []).append(result["load_seconds"])
-    return seconds
+            loads[mode].append(result["load_seconds"])
+    return seconds, loads
 
 
 def fmt_seconds(value: float) -> str:
@@ -446,10 +444,9 @@ def run_count(args: argparse.Namespace, count: int, tmp: Path) -> None:
     folder, specs = new_checkpoint(tmp, count, int(args.size_gib * 2**30), args.seed)
     print_setup(specs, args.shards, folder, args)
     generate(folder, specs, args)
-    loads: dict[str, list[float]] = {}
     with preloaded(folder, tmp, timeout=900) as daemon:
         print()
-        seconds = measure(
+        seconds, loads = measure(
             folder,
             daemon.socket,
             tmp,
@@ -457,7 +454,6 @@ def run_count(args: argparse.Namespace, count: int, tmp: Path) -> None:
             repeat=args.repeat,
             cold=args.drop_caches,
             expected=len(specs),
-            loads=loads,
         )
     print()
     print_results(seconds, loads, args.baseline)

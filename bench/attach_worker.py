@@ -13,9 +13,10 @@ every tensor (so a zero-copy attach pays for one page fault per tensor, not for 
 byte); ``load_seconds`` stops before that touch (``seconds`` includes it). For
 ``safetensors`` the load is ``safetensors.torch.load_file`` of every shard; for
 ``fingerprint`` it is ``open_checkpoint`` plus the sampled ``compute_fingerprint``; for
-``rpc``, a new gRPC channel to the daemon and one ``ListModels`` call, what any first
-load that asks the daemon pays at least in a fresh process (its ``tensors`` is the sum of
-the listed models' ``tensor_count``; nothing is touched). The
+``rpc``, a new gRPC channel to the daemon (``weightcache.core.rpc.connect``, as the SDK
+opens it) and one ``ListModels`` call, what any first load that asks the daemon pays at
+least in a fresh process (its ``tensors`` is the sum of the listed models'
+``tensor_count``; nothing is touched). The
 other peers, each followed by the same touch: ``safe_open`` is ``safetensors.safe_open`` +
 ``get_tensor`` of every tensor of every shard; ``torch_load`` is
 ``torch.load(FILE, mmap=True, weights_only=True)`` of the ``--pt`` file (written beforehand
@@ -44,12 +45,14 @@ import safetensors.torch
 import torch
 
 import weightcache
-import weightcache.core.rpc  # imports grpc's channel module (for rpc, as for attach)
 from weightcache import Placement, Recipe
+from weightcache.core import rpc
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS, Level
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+
+#: Seconds the rpc mode's call may take.
+RPC_TIMEOUT = 60.0
 
 MODES = (
     "attach", "copy", "disk", "safetensors", "fingerprint", "rpc", "safe_open", "torch_load",
@@ -210,19 +213,26 @@ def fingerprint_only(model_dir: str) -> dict[str, object]:
     }
 
 
+def ask_daemon(socket: str) -> tuple[grpc.Channel, int]:
+    """Open a channel to the daemon as the SDK does (``weightcache.core.rpc.connect``) and
+    make one ``ListModels`` call: the least a first load that asks the daemon pays in a
+    fresh process. Returns the channel (open) and the listed models' tensor count."""
+    channel, stub = rpc.connect(socket)
+    reply = stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT)
+    return channel, sum(model.tensor_count for model in reply.models)
+
+
 def rpc_only(socket: str) -> dict[str, object]:
-    """Time a new gRPC channel to the daemon and one ``ListModels`` call; returns the
-    result fields (``tensors``: the listed models' tensor count)."""
+    """Time :func:`ask_daemon`; returns the result fields (nothing is touched)."""
     start = time.perf_counter()
-    channel = grpc.insecure_channel(f"unix:{socket}")
-    reply = pb_grpc.WeightCacheServiceStub(channel).ListModels(pb.ListModelsRequest())
+    channel, tensors = ask_daemon(socket)
     seconds = time.perf_counter() - start
     channel.close()
     return {
         "seconds": seconds,
         "load_seconds": seconds,
         "source": "-",
-        "tensors": sum(model.tensor_count for model in reply.models),
+        "tensors": tensors,
         "touched": 0,
     }
 

@@ -23,8 +23,8 @@ Run with ``.venv/bin/python bench/crowd.py [--workers 64] [--rounds 3] [options]
      threads) ``weightcache.load(dir, socket=S, fallback=False)`` (``attach``) or
      ``safetensors.torch.load_file`` of every shard (``load_file``), then the first byte of
      every tensor (``attach_worker.touch``), or, in mode ``rpc``, opens a gRPC channel to the
-     daemon and makes one ``GetServerInfo`` call (the floor any gRPC client pays in a fresh
-     process, under attach's Acquire); reports seconds, CPU seconds, source and tensor
+     daemon and makes one ``ListModels`` call (``attach_worker.ask_daemon``: the floor under
+     attach's Acquire); reports seconds, CPU seconds, source and tensor
      count; then holds its weights until every worker of the crowd has reported (stdin
      closed), and only then releases them (``close()``, not timed) and exits;
 4. print, per mode, p50/p90/p99/max of the load times over all workers of all rounds, the
@@ -64,7 +64,7 @@ from attach_vs_disk import (
     print_header,
     run_script,
 )
-from attach_worker import shards, touch
+from attach_worker import ask_daemon, shards, touch
 
 MODES = ("attach", "load_file", "rpc")
 #: What ``--modes`` runs unless told otherwise.
@@ -73,8 +73,8 @@ TIMED = {
     "attach": "weightcache.load(dir, socket=S, fallback=False) [zero_copy]"
     " + first byte of every tensor",
     "load_file": "safetensors.torch.load_file(shard) of every shard + first byte of every tensor",
-    "rpc": "a new gRPC channel to the daemon and one GetServerInfo call: what any gRPC"
-    " client pays in a fresh process, the floor under attach",
+    "rpc": "a new gRPC channel to the daemon and one ListModels call: what any first load"
+    " that asks the daemon pays in a fresh process, the floor under attach",
 }
 SOURCES = {"attach": "cache", "load_file": "disk", "rpc": "none"}
 #: Seconds a crowd may take to start (64 processes importing torch on 2 CPUs: about a minute).
@@ -109,8 +109,6 @@ def worker_main(mode: str, model_dir: str, socket: str, start_fd: int) -> int:
     import torch
 
     import weightcache
-    from weightcache.v1 import weight_cache_service_pb2 as pb
-    from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
     load = weightcache.load  # a lazy attribute: resolved before the start signal
     load_file = safetensors.torch.load_file
@@ -123,6 +121,7 @@ def worker_main(mode: str, model_dir: str, socket: str, start_fd: int) -> int:
     weights: weightcache.LoadedWeights | None = None
     channel: grpc.Channel | None = None
     tensors: dict[str, torch.Tensor] = {}
+    listed = 0  # rpc: the tensors the daemon lists
     source: str
     if mode == "attach":
         weights = load(model_dir, socket=socket, fallback=False)
@@ -130,9 +129,8 @@ def worker_main(mode: str, model_dir: str, socket: str, start_fd: int) -> int:
         source = weights.source
     elif mode == "rpc":
         # Kept open, as attach keeps its channel: closed with the weights, not timed.
-        channel = grpc.insecure_channel(f"unix:{socket}")
-        info = pb_grpc.WeightCacheServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest())
-        source = "none" if info.version else "a reply without a version"
+        channel, listed = ask_daemon(socket)
+        source = "none"
     else:
         for path in files:
             tensors.update(load_file(path))
@@ -149,7 +147,7 @@ def worker_main(mode: str, model_dir: str, socket: str, start_fd: int) -> int:
             "woke": woke,
             "done": done,
             "source": source,
-            "tensors": len(tensors),
+            "tensors": listed if mode == "rpc" else len(tensors),
             "touched": touched,
             **status_kib("VmRSS", "RssAnon"),
         }
@@ -518,7 +516,7 @@ def run_bench(args: argparse.Namespace, tmp: Path) -> bool:
                         daemon_pid=daemon.pid,
                         socket=daemon.socket,
                         tmp=tmp,
-                        expected=0 if mode == "rpc" else len(specs),
+                        expected=len(specs),
                     )
                 )
     print_results(results, args)

@@ -129,7 +129,7 @@ def run_cell(args: argparse.Namespace, count: int, size_mib: int, tmp: Path) -> 
     print(f"model.pt written in {time.monotonic() - begin:.1f} s", end="; ", flush=True)
     workers = [WORKER_MODE.get(mode, mode) for mode in args.modes]
     with preloaded(folder, tmp, timeout=900) as daemon:
-        by_worker = measure(
+        by_worker, _ = measure(
             folder,
             daemon.socket,
             tmp,

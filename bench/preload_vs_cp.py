@@ -18,12 +18,12 @@ Run with ``.venv/bin/python bench/preload_vs_cp.py [options]``.
 costs, fingerprint included: one daemon (``--allow-remote-preload``, its hash cache in a
 folder of its own, emptied before every run) is asked for the checkpoint by a remote
 ``Preload`` timed from the request to its last message, then the model is evicted. Each
-run also times the sha256 of every shard alone (``hash``: the daemon's own
-``fd_sha256``, one thread a shard and at most one a core, as the daemon hashes, into an
-empty hash cache), and the CPU seconds of ``cp`` and of the hash. A first preload must
-hash every byte and copy every byte, so it takes at least the hash alone and at least the
-CPU of both spread over the cores: ``cp`` / that floor is printed as the most that ``cp``
-/ first preload can reach on the machine.
+run also times the sha256 of every shard alone (``hash``: the daemon's own hashing,
+``weightcache_service.hashing.ShardHashes``, one thread a shard and at most one a core,
+into an empty hash cache), and the CPU seconds of ``cp`` and of the hash. A first preload
+must hash every byte and copy every byte, so it takes at least the hash alone and at
+least the CPU of both spread over the cores: ``cp`` / that floor is printed as the most
+that ``cp`` / first preload can reach on the machine.
 
 The page cache is warm by default (the files were just written). ``--drop-caches`` (root
 with a writable /proc/sys) drops it before every run; ``--evict`` instead asks the kernel
@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -60,12 +59,16 @@ from attach_vs_disk import (
     write_checkpoint,
 )
 
-from weightcache.core.hashcache import fd_sha256
+from weightcache.core.checkpoint import open_checkpoint
 from weightcache.core.rpc import target
 from weightcache.testing import run_daemon
 from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service.hashing import ShardHashes
+
+#: Where fd_sha256 keeps digests (weightcache.core.hashcache.cache_dir).
+HASH_CACHE_ENV = "WEIGHTCACHE_HASH_CACHE"
 
 
 def shard_files(folder: Path) -> list[Path]:
@@ -107,22 +110,29 @@ def time_cp(files: list[Path]) -> tuple[float, float]:
         shutil.rmtree(target, ignore_errors=True)
 
 
-def time_hash(files: list[Path], tmp: Path) -> tuple[float, float]:
-    """Seconds to sha256 every shard of ``files`` as a first preload does (one thread a
-    shard, at most one a core, ``fd_sha256`` into an empty hash cache under ``tmp``), and
-    the CPU seconds it took (this process's, all threads)."""
+def time_hash(folder: Path, tmp: Path) -> tuple[float, float]:
+    """Seconds the daemon's own hashing of a first preload takes over the checkpoint in
+    ``folder`` alone (``ShardHashes``: one thread a shard, at most one a core), into an
+    empty hash cache under ``tmp``, and the CPU seconds it took (this process's, all
+    threads). Opening the checkpoint is not timed."""
     cache = Path(tempfile.mkdtemp(prefix="hashes-", dir=tmp))
-    fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in files]
+    before = os.environ.get(HASH_CACHE_ENV)
+    os.environ[HASH_CACHE_ENV] = str(cache)  # where fd_sha256 looks and stores
     try:
-        workers = max(1, min(len(files), os.cpu_count() or 1))
-        cpu = time.process_time()
-        begin = time.monotonic()
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda fd, path: fd_sha256(fd, path, cache), fds, files))
-        return time.monotonic() - begin, time.process_time() - cpu
+        with open_checkpoint(folder) as checkpoint:
+            cpu = time.process_time()
+            begin = time.monotonic()
+            hashes = ShardHashes(checkpoint)
+            try:
+                hashes.result()
+            finally:
+                hashes.stop()
+            return time.monotonic() - begin, time.process_time() - cpu
     finally:
-        for fd in fds:
-            os.close(fd)
+        if before is None:
+            del os.environ[HASH_CACHE_ENV]
+        else:
+            os.environ[HASH_CACHE_ENV] = before
         shutil.rmtree(cache, ignore_errors=True)
 
 
@@ -160,7 +170,7 @@ class FirstPreload:
         self.folder = folder
         self.hashes = tmp / "hash-cache"
         args = ["--allow-remote-preload", "--model-root", str(folder.parent)]
-        env = {"WEIGHTCACHE_HASH_CACHE": str(self.hashes)}
+        env = {HASH_CACHE_ENV: str(self.hashes)}
         self.daemon = stack.enter_context(
             run_daemon(args=args, log_dir=tmp, env=env, timeout=900, new_session=True)
         )
@@ -233,7 +243,7 @@ def _run(args: argparse.Namespace, tmp: Path, stack: contextlib.ExitStack) -> bo
                 cpu_s["cp"].append(cpu)
                 continue
             if what == "hash":
-                seconds, cpu = time_hash(files, tmp)
+                seconds, cpu = time_hash(folder, tmp)
                 hash_s.append(seconds)
                 cpu_s["hash"].append(cpu)
                 continue
