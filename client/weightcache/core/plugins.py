@@ -9,6 +9,12 @@ points specification); the entry point names a class or an object with:
   e.g. a QKV fusion replaces three nodes by one whose ``compute`` concatenates them.
 
 The same plugin code runs in the daemon and in the worker's disk path.
+
+A *model plugin* (:class:`ModelPlugin`) instead builds the held tensors from the whole
+checkpoint with an engine of its own (the vLLM recipe,
+:mod:`weightcache.integrations.vllm.recipe`): it has ``resolve`` and ``build_model``
+instead of ``transform``, and is the recipe's only step (no plan, plugin or dtype beside
+it): the engine it runs shards, fuses and casts by its own rules.
 """
 
 from __future__ import annotations
@@ -16,10 +22,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from weightcache.core.errors import RecipeError
 from weightcache.core.pipeline import Node
+
+if TYPE_CHECKING:
+    from weightcache.core.checkpoint import Checkpoint
+    from weightcache.core.recipe import Placement
 
 ENTRY_POINT_GROUP = "weightcache.recipes"
 
@@ -33,6 +44,33 @@ class RecipePlugin(Protocol):
 
     def transform(self, nodes: dict[str, Node], params: Mapping[str, str]) -> dict[str, Node]:
         """The nodes after this step."""
+
+
+@runtime_checkable
+class ModelPlugin(Protocol):
+    """What a ``weightcache.recipes`` entry point provides that builds the model itself."""
+
+    name: str
+    version: str
+
+    def resolve(
+        self, root: Path, placement: Placement, params: Mapping[str, str]
+    ) -> tuple[tuple[str, str], ...]:
+        """The step's parameters as they enter the fingerprint: defaults filled in from the
+        checkpoint folder ``root`` (read without its tensors) and ``placement``, sorted.
+
+        Raises:
+            RecipeError: an unknown or invalid parameter, or a placement not supported.
+        """
+
+    def build_model(
+        self, checkpoint: Checkpoint, placement: Placement, params: Mapping[str, str]
+    ) -> dict[str, Node]:
+        """Every held tensor, by name, from the whole checkpoint (``params`` resolved).
+
+        Raises:
+            RecipeError: the engine could not build the model.
+        """
 
 
 @dataclass(frozen=True)
@@ -60,19 +98,22 @@ class PluginStep:
             raise RecipeError(f"recipe {text!r}: no name")
         return cls(name, tuple(sorted(params)))
 
-    def load(self) -> RecipePlugin:
+    def load(self) -> RecipePlugin | ModelPlugin:
         """The installed plugin for this step.
 
         Raises:
-            RecipeError: no entry point of that name, or it does not provide the protocol.
+            RecipeError: no entry point of that name, or it provides neither protocol.
         """
         found = metadata.entry_points(group=ENTRY_POINT_GROUP, name=self.name)
         if not found:
             raise RecipeError(f"no recipe plugin {self.name!r} is installed ({ENTRY_POINT_GROUP})")
         obj: Any = next(iter(found)).load()
         plugin = obj() if isinstance(obj, type) else obj
-        if not isinstance(plugin, RecipePlugin):
-            raise RecipeError(f"recipe plugin {self.name!r} lacks name, version or transform")
+        if not isinstance(plugin, RecipePlugin | ModelPlugin):
+            raise RecipeError(
+                f"recipe plugin {self.name!r} lacks name, version, and transform or "
+                "resolve and build_model"
+            )
         if plugin.name != self.name:
             raise RecipeError(
                 f"entry point {self.name!r} provides a plugin named {plugin.name!r}; "

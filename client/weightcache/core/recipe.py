@@ -8,6 +8,10 @@ A recipe runs three stages, in this order, on the graph of :mod:`weightcache.cor
    cast.
 
 The same code runs in the daemon and in the worker's disk path, so both give the same bytes.
+
+A recipe whose one step is a model plugin (:class:`~weightcache.core.plugins.ModelPlugin`,
+such as ``vllm``) runs none of these stages: the plugin builds every held tensor from the
+whole checkpoint and the placement, with the step's parameters as it resolves them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from weightcache.core.checkpoint import Checkpoint
 from weightcache.core.dtypes import CASTABLE, TORCH_DTYPES
 from weightcache.core.errors import RecipeError
 from weightcache.core.pipeline import Node, TensorSpec, stored_nodes
-from weightcache.core.plugins import PluginStep, RecipePlugin
+from weightcache.core.plugins import ModelPlugin, PluginStep, RecipePlugin
 from weightcache.core.tp import TPPlan, shard_nodes
 
 RECIPE_NAME = "weightcache.recipe"
@@ -81,10 +85,15 @@ class Recipe:
                 not divisible; a plugin is missing or fails to plan.
         """
         plan, plugins = self._resolve(checkpoint.root, placement)
+        if plugins and isinstance(plugins[0][1], ModelPlugin):
+            step, plugin = plugins[0]
+            nodes = _build_model(plugin, step, checkpoint, placement)
+            return Pipeline(nodes=nodes, identity=self._identity(plan, plugins))
         nodes = stored_nodes(checkpoint)
         if plan is not None:
             nodes = shard_nodes(nodes, plan, placement.tp_rank, placement.tp_size)
         for step, plugin in plugins:
+            assert isinstance(plugin, RecipePlugin)  # _resolve allows no other with a model plugin
             try:
                 nodes = plugin.transform(nodes, dict(step.params))
             except Exception as exc:
@@ -106,19 +115,18 @@ class Recipe:
         """
         return self._identity(*self._resolve(root, placement))
 
-    def _resolve(
-        self, root: Path, placement: Placement
-    ) -> tuple[TPPlan | None, list[tuple[PluginStep, RecipePlugin]]]:
+    def _resolve(self, root: Path, placement: Placement) -> tuple[TPPlan | None, list[_Step]]:
+        plugins = [(step, step.load()) for step in self.plugins]
+        # An empty plan means "not given", on the wire and here alike.
+        has_rules = self.tp_plan is not None and bool(self.tp_plan.rules)
+        if any(isinstance(plugin, ModelPlugin) for _, plugin in plugins):
+            return None, [_model_step(plugins, self.dtype, has_rules, root, placement)]
         plan = None
         if placement.tp_size > 1:
-            # An empty plan means "not given", on the wire and here alike.
-            has_rules = self.tp_plan is not None and self.tp_plan.rules
             plan = self.tp_plan if has_rules else TPPlan.from_transformers(root)
-        return plan, [(step, step.load()) for step in self.plugins]
+        return plan, plugins
 
-    def _identity(
-        self, plan: TPPlan | None, plugins: list[tuple[PluginStep, RecipePlugin]]
-    ) -> dict[str, Any]:
+    def _identity(self, plan: TPPlan | None, plugins: list[_Step]) -> dict[str, Any]:
         steps = [
             {"name": step.name, "version": plugin.version, "params": step.params}
             for step, plugin in plugins
@@ -130,6 +138,50 @@ class Recipe:
             "tp_plan": plan.identity() if plan is not None else None,
             "plugins": steps,
         }
+
+
+_Step = tuple[PluginStep, RecipePlugin | ModelPlugin]
+
+
+def _model_step(
+    plugins: list[_Step], dtype: str | None, has_rules: bool, root: Path, placement: Placement
+) -> _Step:
+    """The one step of a recipe whose plugin builds the model, its parameters resolved."""
+    if len(plugins) != 1 or dtype is not None or has_rules:
+        names = ", ".join(step.name for step, _ in plugins)
+        raise RecipeError(
+            f"recipe plugins {names}: a plugin that builds the model itself ({names}) must be "
+            "the recipe's only step, without dtype or tp_plan (give them as its parameters)"
+        )
+    step, plugin = plugins[0]
+    assert isinstance(plugin, ModelPlugin)
+    try:
+        params = plugin.resolve(root, placement, dict(step.params))
+    except RecipeError:
+        raise
+    except Exception as exc:
+        # Plugin code is not ours: whatever it raises, the recipe cannot apply.
+        raise RecipeError(
+            f"recipe plugin {step.name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
+    return PluginStep(step.name, params), plugin
+
+
+def _build_model(
+    plugin: RecipePlugin | ModelPlugin,
+    step: PluginStep,
+    checkpoint: Checkpoint,
+    placement: Placement,
+) -> dict[str, Node]:
+    assert isinstance(plugin, ModelPlugin)
+    try:
+        return plugin.build_model(checkpoint, placement, dict(step.params))
+    except RecipeError:
+        raise
+    except Exception as exc:
+        raise RecipeError(
+            f"recipe plugin {step.name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 @dataclass(frozen=True)

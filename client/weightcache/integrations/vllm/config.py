@@ -14,8 +14,14 @@ keys, all optional:
   ``weightcache.FallbackReason.CODES``), load with vLLM's default loader and log the reason
   code (default true), or raise (false);
 - ``wait_timeout`` (seconds, >= 0): how long to wait for a daemon still loading the model
-  (and, without ``fallback``, for the daemon's socket); default 0: an engine starts now,
-  from disk, rather than wait.
+  (and, without ``fallback``, for the daemon's socket); default 0 with ``fallback`` (an
+  engine starts now, from disk, rather than wait), :data:`WAIT_WITHOUT_FALLBACK` (300 s,
+  as vLLM's ``ipc_cache`` waits for its daemon) without: an engine started just before
+  its daemon waits for it;
+- ``recipe`` (``"vllm"`` or ``"checkpoint"``): ``"vllm"`` (default) asks first for the
+  model as the ``vllm`` recipe holds it (vLLM names, built on the meta device and
+  installed zero-copy; ``docs/vllm.md``), then for the checkpoint's tensors;
+  ``"checkpoint"`` asks only for the checkpoint's tensors.
 
 An unknown key or a value of the wrong type is a ``ValueError`` naming it, raised when
 vLLM builds the loader (before any weight is read).
@@ -31,10 +37,15 @@ from typing import Any
 from weightcache._options import LoadOptions
 from weightcache.core.errors import RecipeError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS, Level
-from weightcache.core.recipe import parse_dtype
+from weightcache.core.recipe import Recipe, parse_dtype
 
 #: Every key of ``model_loader_extra_config`` the loader reads.
-KEYS = ("socket", "dtype", "fingerprint_level", "fallback", "wait_timeout")
+KEYS = ("socket", "dtype", "fingerprint_level", "fallback", "wait_timeout", "recipe")
+#: The default ``wait_timeout`` without ``fallback``, in seconds: vLLM's ``ipc_cache``
+#: waits as long for its daemon (``state_timeout_s``).
+WAIT_WITHOUT_FALLBACK = 300.0
+#: What the engine asks the daemon for, in this order (``recipe``).
+RECIPES = ("vllm", "checkpoint")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +57,7 @@ class VllmLoaderConfig:
     fingerprint_level: Level = DEFAULT_LEVEL
     fallback: bool = True
     wait_timeout: float = 0.0
+    recipe: str = "vllm"
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> VllmLoaderConfig:
@@ -68,12 +80,34 @@ class VllmLoaderConfig:
                 f"unknown model_loader_extra_config key(s) for load format weightcache: "
                 f"{', '.join(map(repr, unknown))}; known: {', '.join(KEYS)}"
             )
+        fallback = _bool(extra, "fallback", default=True)
+        default_wait = 0.0 if fallback else WAIT_WITHOUT_FALLBACK
+        recipe = extra.get("recipe", "vllm")
+        if recipe not in RECIPES:
+            raise ValueError(
+                f"model_loader_extra_config['recipe'] must be one of {RECIPES}, not {recipe!r}"
+            )
         return cls(
             socket=_optional_str(extra, "socket"),
             dtype=_dtype(extra),
             fingerprint_level=_level(extra),
-            fallback=_bool(extra, "fallback", default=True),
-            wait_timeout=_seconds(extra, "wait_timeout"),
+            fallback=fallback,
+            wait_timeout=_seconds(extra, "wait_timeout", default_wait),
+            recipe=recipe,
+        )
+
+    def vllm_options(self, recipe: Recipe, tp_rank: int, tp_size: int) -> LoadOptions:
+        """The options of :func:`weightcache.load` for the model the ``vllm`` recipe holds
+        for this rank (``recipe`` as :func:`weightcache.integrations.vllm.loader.engine_recipe`
+        makes it). Without weightcache's disk fallback, as :meth:`load_options`."""
+        return LoadOptions(
+            socket=self.socket,
+            recipe=recipe,
+            fingerprint_level=self.fingerprint_level,
+            fallback=False,
+            wait_timeout=self.wait_timeout,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
         )
 
     def load_options(self) -> LoadOptions:
@@ -126,8 +160,8 @@ def _bool(extra: Mapping[str, Any], key: str, *, default: bool) -> bool:
     return value
 
 
-def _seconds(extra: Mapping[str, Any], key: str) -> float:
-    value = extra.get(key, 0.0)
+def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not (number and math.isfinite(value) and value >= 0):
         raise ValueError(f"model_loader_extra_config[{key!r}] must be a number of seconds >= 0")

@@ -1,18 +1,21 @@
 """``WeightcacheModelLoader``: vLLM's model loader for load format ``weightcache``.
 
-vLLM's ``BaseModelLoader.load_model`` builds the model, calls :meth:`load_weights`, then
-runs ``process_weights_after_loading`` (repacking, quantization). This loader feeds the
-model the checkpoint's tensors as the daemon holds them, zero-copy views of its shared
-memory, through the model's own ``load_weights``: the same names and bytes vLLM's default
-loader reads from the safetensors files, so the engine ends with the same parameters.
+Two paths, tried in this order (``docs/vllm.md``):
 
-On CPU the daemon holds checkpoint tensors, not processed parameters: after processing, a
-CPU linear layer's weight lives inside a oneDNN handle, which no other process can map.
-Processing still runs in the engine (``docs/vllm.md`` has the GPU design).
+1. **vLLM-named** (:meth:`WeightcacheModelLoader.load_model`, ``"recipe": "vllm"``, the
+   default): the engine asks the daemon for the model as the ``vllm`` recipe holds it
+   (:mod:`.recipe`: vLLM's names, fused and loaded by vLLM, for this rank, dtype,
+   quantization and vLLM version), builds its model on the meta device, installs each held
+   tensor as the parameter or buffer of its name, zero-copy (:mod:`.install`), and runs
+   ``process_weights_after_loading``. The lease is kept as long as the model lives.
+2. **checkpoint tensors** (:meth:`WeightcacheModelLoader.load_weights`): vLLM builds the
+   model and this loader feeds its ``load_weights`` the checkpoint's tensors as the daemon
+   holds them (zero-copy views), which vLLM's weight loaders copy, fuse and shard.
 
-When the daemon cannot serve (a code of ``weightcache.FallbackReason.CODES``), the loader
-logs the code and loads with vLLM's ``DefaultModelLoader`` (``fallback``, the default), or
-raises (``"fallback": false``).
+When the daemon cannot serve a path (a code of ``weightcache.FallbackReason.CODES``, or a
+recipe this engine cannot ask for), the loader logs the code and goes on to the next path,
+then to vLLM's ``DefaultModelLoader`` (``fallback``, the default), or raises once no
+daemon path is left (``"fallback": false``).
 """
 
 from __future__ import annotations
@@ -26,19 +29,31 @@ from typing import Protocol, cast
 
 import torch
 from torch import nn
-from vllm.config import ModelConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.utils import (
+    initialize_model,
+    process_weights_after_loading,
+)
 from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf
+from vllm.utils.torch_utils import set_default_torch_dtype
 
 # Imported here, when vLLM loads the plugin, not inside the first load (weightcache's names
 # import lazily): gRPC and the stubs are then ready before the weights are timed.
-from weightcache import FallbackReason, load
-from weightcache.core.errors import WeightCacheError
+from weightcache import FallbackReason, LoadedWeights, load
+from weightcache.core.errors import InvalidCheckpointError, RecipeError, WeightCacheError
+from weightcache.core.plugins import PluginStep
+from weightcache.core.recipe import Recipe
 from weightcache.integrations.vllm.config import VllmLoaderConfig
+from weightcache.integrations.vllm.install import InstallError, install, materialize_meta
+from weightcache.integrations.vllm.recipe import PLUGIN_NAME, canonical_dtype
 
 # Under vLLM's logger, so that its handler and format show these lines beside its own.
 logger = init_logger("vllm.plugins.weightcache")
@@ -52,8 +67,25 @@ class _VllmModel(Protocol):
         """Copy the pairs into the model's parameters."""
 
 
+#: The log line of a fallback to vLLM's default loader (the reason code follows).
+FALLBACK_LINE = "weightcache: falling back to vLLM's default loader: reason="
 #: What a model folder given as a Hugging Face repository id is downloaded with.
 _HUB_PATTERNS = ["*.safetensors", "*.json"]
+#: The log line of the vLLM-named path's success, and of its refusal (then the next path).
+INSTALLED_LINE = "weightcache: installed "
+SKIPPED_LINE = "weightcache: no vLLM-named model, using the checkpoint's tensors: reason="
+#: The attribute of a model installed from the daemon that keeps its weights' lease.
+WEIGHTS_ATTRIBUTE = "_weightcache_weights"
+
+
+def engine_recipe(model_config: ModelConfig) -> Recipe:
+    """The ``vllm`` recipe an engine of ``model_config`` asks the daemon for: its dtype and
+    quantization; the rest (architecture, config digest, placement) the recipe resolves."""
+    params = (
+        ("dtype", canonical_dtype(model_config.dtype)),
+        ("quantization", str(model_config.quantization or "none").lower()),
+    )
+    return Recipe(plugins=(PluginStep(PLUGIN_NAME, params),))
 
 
 class WeightcacheModelLoader(BaseModelLoader):
@@ -70,6 +102,109 @@ class WeightcacheModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
         self.config = VllmLoaderConfig.parse(load_config.model_loader_extra_config)
+        self._daemon_down = False
+
+    def load_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> nn.Module:
+        """The model on the daemon's vLLM-named tensors, else vLLM's own build through
+        :meth:`load_weights` (checkpoint tensors, then the default loader).
+
+        Raises:
+            weightcache.WeightCacheError: with ``"fallback": false``, no daemon path can
+                serve (the subclass names the reason of the last); a refusal a disk load
+                would hide (``PermissionDeniedError``, ...), with any ``fallback``.
+        """
+        self._daemon_down = False
+        if self.config.recipe == "vllm":
+            model = self._load_vllm_named(vllm_config, model_config, prefix)
+            if model is not None:
+                return model
+        return cast(nn.Module, super().load_model(vllm_config, model_config, prefix))
+
+    def _load_vllm_named(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> nn.Module | None:
+        folder = self._model_folder(model_config)
+        start = time.perf_counter()
+        try:
+            options = self.config.vllm_options(
+                engine_recipe(model_config),
+                get_tensor_model_parallel_rank(),
+                get_tensor_model_parallel_world_size(),
+            )
+            weights = load(folder, options=options)
+        except (RecipeError, InvalidCheckpointError) as err:
+            # A recipe this engine cannot ask for (a placement it does not build), or a
+            # folder without safetensors (.bin only), which vLLM's own loaders still read.
+            if not self.config.fallback:
+                raise
+            self._skip(err.reason, err.detail)
+            return None
+        except WeightCacheError as err:
+            if err.reason not in FallbackReason.CODES:
+                raise
+            self._daemon_down = err.reason == "DAEMON_UNAVAILABLE"
+            if self._daemon_down and not self.config.fallback:
+                raise
+            self._skip(err.reason, err.detail)
+            return None
+        attached = time.perf_counter()
+        try:
+            model = self._build_on(weights, vllm_config, model_config, prefix)
+        except InstallError as err:
+            weights.close()
+            if not self.config.fallback:
+                raise
+            self._skip("INSTALL_FAILED", str(err))
+            return None
+        logger.info(
+            "%s%d tensors (%.1f MB) of model %r from the daemon at %s zero-copy: attached "
+            "in %.3f s, model built on meta, installed and processed in %.3f s",
+            INSTALLED_LINE,
+            len(weights.tensors),
+            sum(t.nbytes for t in weights.tensors.values()) / 1e6,
+            weights.model,
+            weights.socket,
+            attached - start,
+            time.perf_counter() - attached,
+        )
+        return model
+
+    def _build_on(
+        self,
+        weights: LoadedWeights,
+        vllm_config: VllmConfig,
+        model_config: ModelConfig,
+        prefix: str,
+    ) -> nn.Module:
+        """Build the model on meta, install ``weights``, process; the model keeps them."""
+        device = torch.device(self.load_config.device or vllm_config.device_config.device or "cpu")
+        with set_default_torch_dtype(model_config.dtype):
+            with torch.device("meta"):
+                model = initialize_model(
+                    vllm_config=vllm_config, model_config=model_config, prefix=prefix
+                )
+            installed = install(model, weights.tensors)
+            left = materialize_meta(model, device)
+            if left:
+                logger.warning(
+                    "weightcache: %d parameters or buffers were not held by the daemon and "
+                    "are left uninitialized (as vLLM's ipc_cache leaves them): %s",
+                    len(left),
+                    ", ".join(left[:8]),
+                )
+            process_weights_after_loading(model, model_config, device)
+        # The lease (and, on a GPU, the daemon's memory) must last as long as the model.
+        object.__setattr__(model, WEIGHTS_ATTRIBUTE, weights)
+        logger.debug(
+            "weightcache: installed %d tensors under %d names", installed.tensors, installed.names
+        )
+        return cast(nn.Module, model.eval())
+
+    @staticmethod
+    def _skip(reason: str, detail: str) -> None:
+        logger.warning("%s%s detail=%s", SKIPPED_LINE, reason, detail)
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Download the checkpoint as vLLM's default loader would (a repository id), so
@@ -87,6 +222,11 @@ class WeightcacheModelLoader(BaseModelLoader):
             ValueError: a parameter of ``model`` got no tensor from the checkpoint.
         """
         unsupported = _other_weight_sources(model)
+        if self._daemon_down:
+            # The vLLM-named path found no daemon just now: asking again would only wait.
+            logger.warning("%sDAEMON_UNAVAILABLE detail=as for the vLLM-named model", FALLBACK_LINE)
+            self._default_loader().load_weights(model, model_config)
+            return
         if unsupported:
             logger.warning(
                 "weightcache: %s reads weights the checkpoint folder's safetensors do not "
@@ -108,13 +248,12 @@ class WeightcacheModelLoader(BaseModelLoader):
         try:
             weights = load(folder, options=self.config.load_options())
         except WeightCacheError as err:
-            if not self.config.fallback or err.reason not in FallbackReason.CODES:
+            # A folder without safetensors (.bin only) is no checkpoint for weightcache,
+            # but vLLM's default loader reads it.
+            readable = err.reason in FallbackReason.CODES or isinstance(err, InvalidCheckpointError)
+            if not self.config.fallback or not readable:
                 raise
-            logger.warning(
-                "weightcache: falling back to vLLM's default loader: reason=%s detail=%s",
-                err.reason,
-                err.detail,
-            )
+            logger.warning("%s%s detail=%s", FALLBACK_LINE, err.reason, err.detail)
             self._default_loader().load_weights(model, model_config)
             return
         attached = time.perf_counter()

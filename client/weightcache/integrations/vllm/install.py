@@ -1,0 +1,131 @@
+"""Installing held tensors in a model built on the meta device, without copying them.
+
+The engine side of the ``vllm`` recipe (:mod:`.recipe`): vLLM's model is built on the meta
+device (no memory), then every parameter and buffer the daemon holds under its vLLM name
+takes the daemon's tensor itself (a view of the worker's mapping of the arena). Imports
+torch only, so that it is tested without vLLM.
+
+A parameter keeps its class and attributes (vLLM's parameters carry their weight loaders
+and shard dimensions as attributes, which processing may read): the new parameter is
+made with ``torch.Tensor._make_subclass`` of the meta parameter's class, as
+``nn.Parameter.__new__`` does, and takes the meta parameter's ``__dict__``. Every name
+under which the model reaches one meta tensor (tied weights, a rotary module shared by
+layers) gets the same new object, so ties stay ties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+class InstallError(ValueError):
+    """The held tensors do not fit the engine's model (a name it lacks, another shape or
+    dtype): the weights were made for another model, and nothing may be installed."""
+
+
+@dataclass
+class Installed:
+    """What :func:`install` did.
+
+    Attributes:
+        tensors: held tensors installed (each once, whatever its number of names).
+        names: model names that now hold a held tensor (aliases included).
+        left_on_meta: parameters and buffers still on the meta device, by name.
+    """
+
+    tensors: int = 0
+    names: int = 0
+    left_on_meta: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Place:
+    """Where one meta tensor sits in the model: each (module, attribute, is parameter)."""
+
+    meta: torch.Tensor
+    slots: list[tuple[nn.Module, str, bool]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+
+def _places(model: nn.Module) -> tuple[dict[int, _Place], dict[str, int]]:
+    places: dict[int, _Place] = {}
+    by_name: dict[str, int] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for kind, table in ((True, module._parameters), (False, module._buffers)):
+            for leaf, tensor in table.items():
+                if tensor is None:
+                    continue
+                place = places.setdefault(id(tensor), _Place(tensor))
+                place.slots.append((module, leaf, kind))
+                place.names.append(dot + leaf)
+                by_name.setdefault(dot + leaf, id(tensor))
+    return places, by_name
+
+
+def _new_object(meta: torch.Tensor, tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
+    if not is_param:
+        return tensor
+    # nn.Parameter.__new__ makes its object this way; a subclass of vLLM keeps its class.
+    param = torch.Tensor._make_subclass(type(meta), tensor, False)
+    param.__dict__.update(meta.__dict__)
+    return param
+
+
+def install(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Installed:
+    """Put ``tensors`` (name -> tensor, vLLM names) in ``model`` in place of its tensors.
+
+    Every name must be a parameter or buffer of ``model`` with the same shape and dtype.
+
+    Raises:
+        InstallError: a name the model does not have, or a shape or dtype other than the
+            model's; checked for every name before anything is installed.
+    """
+    places, by_name = _places(model)
+    chosen: list[tuple[_Place, torch.Tensor]] = []
+    for name, tensor in tensors.items():
+        key = by_name.get(name)
+        if key is None:
+            raise InstallError(f"held tensor {name!r} is not a parameter or buffer of the model")
+        place = places[key]
+        if (place.meta.shape, place.meta.dtype) != (tensor.shape, tensor.dtype):
+            raise InstallError(
+                f"held tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}; the model "
+                f"has {tuple(place.meta.shape)} {place.meta.dtype}"
+            )
+        chosen.append((place, tensor))
+    done = Installed()
+    for place, tensor in chosen:
+        new = {True: _new_object(place.meta, tensor, True), False: tensor}
+        for module, leaf, is_param in place.slots:
+            table = module._parameters if is_param else module._buffers
+            table[leaf] = new[is_param]  # type: ignore[assignment]
+        done.tensors += 1
+        done.names += len(place.names)
+    installed = {id(place) for place, _ in chosen}
+    done.left_on_meta = [
+        name for place in places.values() if id(place) not in installed for name in place.names
+    ]
+    return done
+
+
+def materialize_meta(model: nn.Module, device: torch.device) -> list[str]:
+    """Give every parameter and buffer still on the meta device uninitialized memory on
+    ``device`` (as vLLM's own ``IpcModelLoader`` does for what its daemon did not hold);
+    the names so treated, which the caller logs."""
+    places, _ = _places(model)
+    named: list[str] = []
+    for place in places.values():
+        if not place.meta.is_meta:
+            continue
+        empty = torch.empty_like(place.meta, device=device)
+        new = {True: _new_object(place.meta, empty, True), False: empty}
+        for module, leaf, is_param in place.slots:
+            table = module._parameters if is_param else module._buffers
+            table[leaf] = new[is_param]  # type: ignore[assignment]
+        named += place.names
+    return named
