@@ -107,11 +107,18 @@ def workers(model: Path, path: str, socket: str, dtype: str, n: int) -> Iterator
             procs.append(proc)
         results = []
         for proc in procs:
-            line = proc.stdout.readline() if proc.stdout else ""
-            if not line:
-                raise RuntimeError(f"a {path} worker exited {proc.wait()} before loading")
-            results.append({"pid": proc.pid, **json.loads(line)})
+            results.append({"pid": proc.pid, **_result(proc, path)})
         yield results
+
+
+def _result(proc: subprocess.Popen[str], path: str) -> dict[str, Any]:
+    """The worker's JSON line (vLLM prints other lines to stdout too)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("{"):
+            result: dict[str, Any] = json.loads(line)
+            return result
+    raise RuntimeError(f"a {path} worker exited {proc.wait()} before loading")
 
 
 def _end(proc: subprocess.Popen[str]) -> None:
