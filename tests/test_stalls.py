@@ -2,19 +2,26 @@
 
 - a Health ``Watch`` stream whose client opened a zero HTTP/2 flow-control window must
   not hold SIGTERM: the daemon exits within its drain timeout;
+- connections that never speak are closed after the handshake timeout, and the daemon
+  raises its soft file descriptor limit to the hard one;
 """
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
+from pathlib import Path
 
+import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.http2_support import ZeroWindowStream, unix_connection
 from tests.support import Checkpoints, DaemonPool
+from tests.test_probes import free_port
+from weightcache_service.access import HANDSHAKE_TIMEOUT_MS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,3 +61,38 @@ def test_sigterm_is_bounded_behind_zero_window_health_watches(
     finally:
         for watch in watches:
             watch.close()
+
+
+def test_idle_tcp_connections_are_closed_and_the_fd_limit_is_raised(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    port = free_port()
+    # A soft limit below the hard one, as shells and service managers often set it.
+    daemon = daemons.start(
+        [checkpoints.single],
+        args=["--health-listen", f"127.0.0.1:{port}"],
+        wrap=["prlimit", "--nofile=256:4096", "--"],
+    )
+    limits = Path(f"/proc/{daemon.pid}/limits").read_text()
+    line = next(row for row in limits.splitlines() if row.startswith("Max open files"))
+    assert line.split()[3:5] == ["4096", "4096"], line
+    # Connections that never speak: closed after the handshake timeout (gRPC's default
+    # kept them 120 s, each holding a descriptor).
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    try:
+        start = time.monotonic()
+        for conn in idle:
+            conn.settimeout(HANDSHAKE_TIMEOUT_MS / 1000 + 20)
+            while conn.recv(65536):  # the server's SETTINGS, perhaps a GOAWAY, then EOF
+                pass
+        took = time.monotonic() - start
+        assert took < HANDSHAKE_TIMEOUT_MS / 1000 + 20, took
+    finally:
+        for conn in idle:
+            conn.close()
+    # The daemon kept serving through it.
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="liveness"), timeout=10
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING

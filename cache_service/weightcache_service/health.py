@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 
 from weightcache.core.rpc import LIVENESS, READINESS, SERVICE_NAME
-from weightcache_service.access import AccessError, parse_listen
+from weightcache_service.access import CONNECTION_OPTIONS, AccessError, parse_listen
 from weightcache_service.store import Store
 
 log = structlog.get_logger("weightcache.daemon")
@@ -201,7 +201,7 @@ class HealthListener:
                 cannot be bound.
         """
         parse_listen(self.address, "--health-listen")
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *CONNECTION_OPTIONS])
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
         try:
             port = server.add_insecure_port(self.address)
