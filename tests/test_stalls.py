@@ -4,6 +4,8 @@
   not hold SIGTERM: the daemon exits within its drain timeout;
 - connections that never speak are closed after the handshake timeout, and the daemon
   raises its soft file descriptor limit to the hard one;
+- a KeepAlive stream that floods is read at a bounded rate, and another client is served
+  meanwhile (``bench/keepalive_flood.py`` measures its latency);
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.http2_support import ZeroWindowStream, unix_connection
-from tests.support import Checkpoints, DaemonPool
+from tests.support import Checkpoints, DaemonPool, service_stub
 from tests.test_probes import free_port
+from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.access import HANDSHAKE_TIMEOUT_MS
+from weightcache_service.servicer import KEEPALIVE_BURST, MAX_KEEPALIVES_PER_SECOND
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,3 +100,28 @@ def test_idle_tcp_connections_are_closed_and_the_fd_limit_is_raised(
             health_pb2.HealthCheckRequest(service="liveness"), timeout=10
         )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_keepalive_flood_is_paced_and_others_are_served(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single])
+    sent = 60
+    requests = (pb.KeepAliveRequest(lease_ids=[f"flood-{i}"]) for i in range(sent))
+    with service_stub(daemon.socket) as flooder, service_stub(daemon.socket) as other:
+        info = other.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        stream = flooder.KeepAlive(requests, timeout=60)
+        times = []
+        for response in stream:
+            times.append(time.monotonic())
+            assert [s.lease_id for s in response.leases] == [f"flood-{len(times) - 1}"]
+            if len(times) == sent // 2:
+                # Another client is answered in the middle of the flood.
+                again = other.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+                assert again.instance_id == info.instance_id
+            if len(times) == sent:
+                stream.cancel()
+                break
+    # 20 at once, then 20 a second (before: all 60 within milliseconds).
+    paced = (sent - KEEPALIVE_BURST) / MAX_KEEPALIVES_PER_SECOND
+    assert times[-1] - times[0] >= 0.8 * paced, times[-1] - times[0]

@@ -29,9 +29,12 @@ HANDSHAKE_TIMEOUT_MS = 5_000
 #: GOAWAY (gRPC's ``grpc.max_connection_idle_ms``; a client reconnects when it calls).
 MAX_CONNECTION_IDLE_MS = 60_000
 #: Server options that bound what idle connections hold, on every listener.
+#: Calls (HTTP/2 streams) one connection may have open at once; a client queues the rest.
+MAX_CONCURRENT_STREAMS = 128
 CONNECTION_OPTIONS = [
     ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+    ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
 ]
 
 
