@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import signal
 import uuid
 from dataclasses import dataclass, field
@@ -28,7 +29,13 @@ from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME, target
 from weightcache.core.sockets import segment_tag
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
-from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
+from weightcache_service.access import (
+    CONNECTION_OPTIONS,
+    Access,
+    AccessError,
+    is_loopback,
+    parse_listen,
+)
 from weightcache_service.arena import remove_stale_segments
 from weightcache_service.authz import AuthorizationInterceptor, Policy
 from weightcache_service.backend import CPU_DEVICE, Device, open_backend
@@ -52,6 +59,25 @@ REAP_INTERVAL = 0.2
 START_EXTENSION = 60.0
 #: Largest request accepted: requests carry ids, paths and a fingerprint, never data.
 MAX_REQUEST_BYTES = 4 * 2**20
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (the soft default, often 1024, is
+    what a few hundred idle connections exhaust; the hard limit is the operator's).
+
+    Returns:
+        The ``(soft, hard)`` limits now in force.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning(
+                "cannot raise the file descriptor limit", soft=soft, hard=hard, error=str(exc)
+            )
+    return soft, hard
 
 
 @dataclass(frozen=True)
@@ -205,6 +231,8 @@ class Daemon:
             SocketInUseError: another daemon serves the socket.
         """
         socket = self.config.socket
+        soft, hard = raise_fd_limit()
+        log.info("file descriptor limit", soft=soft, hard=hard)
         self.config.access.prepare_folder(socket)
         lock = SocketLock(socket)
         try:
@@ -247,6 +275,7 @@ class Daemon:
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                 ("grpc.so_reuseport", 0),
+                *CONNECTION_OPTIONS,
             ],
         )
         pb_grpc.add_WeightCacheServiceServicer_to_server(WeightCacheServicer(self.cache), server)

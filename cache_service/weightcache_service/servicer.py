@@ -46,6 +46,13 @@ from weightcache_service.store import Entry
 MAX_PENDING_RESPONSES = 64
 #: Seconds between Preload progress messages.
 PROGRESS_INTERVAL = 0.25
+#: KeepAlive messages one stream may send per second, on average; the SDK sends one every
+#: TTL/3 (at least 1/3 s apart, the TTL being at least 1 s). A stream over it is no longer
+#: read until its budget allows (HTTP/2 flow control then stalls its sender), so a flood
+#: costs the daemon neither memory nor the time of other clients.
+MAX_KEEPALIVES_PER_SECOND = 20.0
+#: The messages a stream may send at once before the rate applies.
+KEEPALIVE_BURST = 20.0
 
 R = TypeVar("R")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -155,10 +162,12 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     async def _read_keepalives(
         self, requests: AsyncIterator[pb.KeepAliveRequest], session: int, outbox: Outbox
     ) -> None:
+        budget = _TokenBucket(MAX_KEEPALIVES_PER_SECOND, KEEPALIVE_BURST)
         try:
             async for request in requests:
                 if len(request.lease_ids) > MAX_LEASES_PER_REQUEST:
                     break
+                await budget.take()
                 # A peer that sends without reading must not grow the daemon's memory: stop
                 # reading (so its sends stall) until it has taken its answers.
                 while outbox.qsize() >= MAX_PENDING_RESPONSES:
@@ -193,3 +202,24 @@ def _preload_response(entry: Entry) -> pb.PreloadResponse:
     return pb.PreloadResponse(
         model=entry.name, state=model_state_pb(entry.state), progress=progress_pb(entry.progress())
     )
+
+
+class _TokenBucket:
+    """``rate`` events per second on average, ``burst`` at once (a token bucket)."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self._rate = rate
+        self._burst = burst
+        self._tokens = burst
+        self._at = time.monotonic()
+
+    async def take(self) -> None:
+        """Wait until one event is allowed, and count it."""
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1:
+            await asyncio.sleep((1 - self._tokens) / self._rate)
+            self._tokens = 1.0
+            self._at = time.monotonic()
+        self._tokens -= 1

@@ -42,7 +42,8 @@ from typing import Literal
 import grpc
 
 from weightcache._log import get_logger
-from weightcache.core.errors import LeaseLostError
+from weightcache.core.errors import DaemonUnavailableError, LeaseLostError
+from weightcache.core.forking import calling
 from weightcache.core.per_process import PerProcess
 from weightcache.core.protocol import lease_status_from_pb
 from weightcache.core.rpc import retire, shared
@@ -244,7 +245,7 @@ class KeepAliveSession:
             self._leases.pop(lease.lease_id, None)
         log.warning("lease revoked: weights copied to private memory", lease=lease.lease_id[:8])
         # If Release fails the daemon frees the memory at the revoke deadline anyway.
-        with contextlib.suppress(grpc.RpcError):
+        with contextlib.suppress(grpc.RpcError, DaemonUnavailableError), calling():
             self._stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=5.0)
 
     def _lose_all(self, why: str) -> None:

@@ -14,6 +14,7 @@ or a silently wrong tensor.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -28,7 +29,11 @@ from typing import Any
 import torch
 
 from weightcache.core.dtypes import SUB_BYTE, TORCH_DTYPES, itemsize
-from weightcache.core.errors import InvalidCheckpointError
+from weightcache.core.errors import (
+    InvalidCheckpointError,
+    ResourceExhaustedError,
+    WeightCacheError,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -362,9 +367,23 @@ def _open(path: str, folder: int | None, shown: str) -> int:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise InvalidCheckpointError(f"{shown}: {exc.strerror}") from None
+        raise open_error(shown, exc) from None
     os.set_blocking(fd, True)
     return fd
+
+
+#: errno values that say the process or the system ran out of something, not that the file
+#: is bad: reported as RESOURCE_EXHAUSTED, never INVALID_CHECKPOINT.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def open_error(shown: str, exc: OSError) -> WeightCacheError:
+    """The error for a file that could not be opened: :class:`ResourceExhaustedError` when
+    the process or system is out of file descriptors or memory (``EMFILE``, ``ENFILE``,
+    ``ENOMEM``), else :class:`InvalidCheckpointError`; both name the file."""
+    if exc.errno in RESOURCE_ERRNOS:
+        return ResourceExhaustedError(f"cannot open {shown}: {exc.strerror} (errno {exc.errno})")
+    return InvalidCheckpointError(f"{shown}: {exc.strerror}")
 
 
 def _open_file(

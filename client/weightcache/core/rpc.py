@@ -11,6 +11,7 @@ from typing import TypeVar
 import grpc
 
 from weightcache.core.errors import DaemonUnavailableError, WeightCacheError
+from weightcache.core.forking import calling, opened_channel
 from weightcache.core.per_process import PerProcess
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
@@ -53,9 +54,11 @@ def connect(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
         raise DaemonUnavailableError(
             f"cannot reach the daemon socket {socket}: {exc.strerror}"
         ) from None
-    channel = grpc.insecure_channel(
-        target(socket), options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
-    )
+    with calling():
+        opened_channel()
+        channel = grpc.insecure_channel(
+            target(socket), options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
+        )
     return channel, pb_grpc.WeightCacheServiceStub(channel)
 
 
@@ -68,7 +71,8 @@ def call(fn: Callable[[], T]) -> T:
         WeightCacheError: the daemon refused; the subclass matches its ErrorInfo reason.
     """
     try:
-        return fn()
+        with calling():
+            return fn()
     except grpc.RpcError as exc:
         raise _error(exc) from None
 
@@ -112,7 +116,8 @@ def retire(socket: str, channel: grpc.Channel) -> None:
         opened = channels.get(socket)
         if opened is not None and opened[0] is channel:
             del channels[socket]
-    channel.close()
+    with calling():
+        channel.close()
 
 
 def call_shared(socket: str, rpc: Callable[[pb_grpc.WeightCacheServiceStub], T]) -> T:
@@ -126,14 +131,16 @@ def call_shared(socket: str, rpc: Callable[[pb_grpc.WeightCacheServiceStub], T])
 
     Raises:
         DaemonUnavailableError: as :func:`call`, or the socket file is missing, or the
-            channel closed under both attempts.
+            channel closed under both attempts, or this process was forked while its
+            parent's SDK was mid-call (:mod:`weightcache.core.forking`).
         WeightCacheError: the daemon refused; the subclass matches its ErrorInfo reason
             (:class:`RemoteError` for a status without one).
     """
     for attempt in range(2):
         channel, stub = shared(socket)
         try:
-            return rpc(stub)
+            with calling():
+                return rpc(stub)
         except ValueError as exc:
             # grpc refuses to start a call on a closed channel; only retire closes one,
             # and it first stops sharing it.
