@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,8 @@ from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME, target
 from weightcache.core.sockets import segment_tag
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service import signals
 from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
-from weightcache_service.arena import remove_stale_segments
 from weightcache_service.authz import AuthorizationInterceptor, Policy
 from weightcache_service.backend import CPU_DEVICE, Device, open_backend
 from weightcache_service.budget import MemoryBudget
@@ -39,7 +38,12 @@ from weightcache_service.health import Health, HealthListener
 from weightcache_service.leases import LeaseTable
 from weightcache_service.metrics import Metrics, MetricsListener
 from weightcache_service.notify import Notifier
-from weightcache_service.segments import remove_dead_segments, segment_prefix
+from weightcache_service.segments import (
+    Skipped,
+    remove_dead_segments,
+    remove_stale_segments,
+    segment_prefix,
+)
 from weightcache_service.servicer import WeightCacheServicer
 from weightcache_service.socket_lock import SocketLock
 from weightcache_service.store import Entry, Store
@@ -223,17 +227,23 @@ class Daemon:
     def _clean_after_predecessor(self, socket: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket)  # we hold the lock: whoever bound it is gone
-        for path in remove_stale_segments(self._tag, self._segment_prefix):
-            log.warning("removed a dead daemon's segment", path=path)
-        # Dead daemons of other sockets too: a crash followed by a restart elsewhere must
-        # not leave its memory behind for good.
+        # /dev/shm is everyone's: whatever is there is checked, and what is not ours to
+        # remove is skipped and logged, never fatal (SECURITY.md).
+        skipped: list[Skipped] = []
         try:
-            dead = remove_dead_segments()
+            stale, skipped = remove_stale_segments(self._tag, self._segment_prefix)
+            # Dead daemons of other sockets too: a crash followed by a restart elsewhere
+            # must not leave its memory behind for good.
+            dead = remove_dead_segments(skipped=skipped)
         except OSError as exc:
             log.warning("cannot look for dead daemons' segments", error=str(exc))
-            dead = []
+            stale, dead = [], []
+        for path in stale:
+            log.warning("removed a dead daemon's segment", path=path)
         for segment in dead:
             log.warning("removed a dead daemon's segment", path=segment.path, pid=segment.pid)
+        for entry in dict.fromkeys(skipped):
+            log.warning("skipped a segment name that is not ours", path=entry.path, why=entry.why)
 
     async def _start_server(self, socket: str) -> grpc.aio.Server:
         tcp = self.config.tcp
@@ -418,7 +428,8 @@ class Daemon:
 
 
 def run_daemon(config: DaemonConfig) -> None:
-    """Run a daemon in the foreground until SIGTERM or SIGINT.
+    """Run a daemon in the foreground until SIGTERM, SIGINT, SIGQUIT or SIGXCPU (what each
+    signal does: :mod:`weightcache_service.signals`).
 
     Raises:
         AccessError: the socket folder or the TCP listener is unusable or unsafe.
@@ -428,9 +439,7 @@ def run_daemon(config: DaemonConfig) -> None:
 
     async def main() -> None:
         daemon = Daemon(config)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, daemon.stop)
+        signals.install(asyncio.get_running_loop(), daemon.stop)
         await daemon.run()
 
     asyncio.run(main())
