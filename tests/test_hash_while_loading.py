@@ -38,6 +38,7 @@ from weightcache.core.fingerprint import Fingerprint, compute_fingerprint, pendi
 from weightcache.core.hashcache import cached_sha256, fd_sha256
 from weightcache.core.protocol import fingerprint_from_pb
 from weightcache.core.recipe import Placement, Recipe
+from weightcache.core.timestamps import FINE_GRANULE_NS
 from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import SharedMemoryArena
@@ -143,6 +144,9 @@ def test_the_daemon_remembers_what_it_hashed_and_does_not_hash_it_again(
 ) -> None:
     folder = racing.root / "model"
     shutil.copytree(checkpoints.sharded, folder)
+    # A digest is remembered only for files last changed more than one timestamp granule
+    # before they were read (weightcache.core.timestamps; 50 ms here, sub-second stamps).
+    time.sleep(2 * FINE_GRANULE_NS / 1e9)
     socket = racing.daemon.socket
     preload(socket, folder, level=FULL)
     first = get_model(socket, "model")
@@ -153,7 +157,9 @@ def test_the_daemon_remembers_what_it_hashed_and_does_not_hash_it_again(
         st = os.stat(shard)
         keys.append(f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}")
         digest = hashlib.sha256(shard.read_bytes()).hexdigest()
-        assert (racing.base / "hash-cache" / keys[-1]).read_text() == digest
+        remembered_digest, since = (racing.base / "hash-cache" / keys[-1]).read_text().split()
+        assert remembered_digest == digest
+        assert int(since) - max(st.st_mtime_ns, st.st_ctime_ns) > FINE_GRANULE_NS
     assert remembered == sorted(keys)
     with service_stub(socket) as stub:
         stub.Evict(pb.EvictRequest(name="model"), timeout=10)

@@ -76,7 +76,9 @@ class Entry:
     def loaded_from(self, components: dict[str, str], files: dict[str, FileIdentity]) -> bool:
         """Whether this model has the request components ``components`` (format, placement,
         recipe) and was loaded from ``files``: each file it read is there, by name, with the
-        same identity (dev, inode, size, mtime, ctime), so it is the same file, unchanged."""
+        same identity (dev, inode, size, mtime, ctime), so it is the same file, unchanged
+        (that it proves so: :meth:`Checkpoint.identities_vouch`, checked by callers that
+        hand out the model's bytes for it)."""
         held = self.fingerprint.components
         if any(held.get(name) != components.get(name) for name in REQUEST_COMPONENTS):
             return False
@@ -379,8 +381,18 @@ class Store:
             for e in self._entries.values()
             if e.state != "evicting" and e.loaded_from(components, files)
         ]
-        for entry in sorted(matches, key=lambda e: e.state != "ready"):
+        vouched = [e for e in matches if e.checkpoint.identities_vouch()]
+        for entry in sorted(vouched, key=lambda e: e.state != "ready"):
             return _ready(entry)
+        if matches:
+            # Same identity, but changed within a timestamp granule of the daemon's read:
+            # the identity cannot tell, the worker's own fingerprint can.
+            raise ModelNotFoundError(
+                f"model {matches[0].name!r} was loaded from these files, but they changed "
+                "within their file system's timestamp granule of when the daemon read them: "
+                "their identity cannot vouch for their bytes; send the fingerprint",
+                metadata={"path": clip(path), "model": matches[0].name},
+            )
         raise ModelNotFoundError(
             f"no held model was loaded from the files of {clip(path)} with this recipe, "
             "placement and fingerprint level",
