@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, Level
@@ -261,14 +261,7 @@ class Daemon:
         )
         pb_grpc.add_WeightCacheServiceServicer_to_server(WeightCacheServicer(self.cache), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
+        _enable_reflection(server)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
         try:
             server.add_insecure_port(target(socket))
@@ -425,6 +418,34 @@ class Daemon:
         await self.cache.wait_loads()
         self.store.close()
         log.info("stopped")
+
+
+#: Server reflection's stable name. grpcio-reflection serves only ``v1alpha``, whose
+#: messages ``v1`` repeats field for field under another package (grpc/grpc-proto,
+#: ``grpc/reflection/v1/reflection.proto``): the same servicer answers both.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(server: grpc.aio.Server) -> None:
+    """Serve server reflection as ``grpc.reflection.v1`` (what grpcurl and current
+    clients ask first) and ``grpc.reflection.v1alpha`` (older ones)."""
+    services = (
+        SERVICE_NAME,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        REFLECTION_V1,
+        reflection.SERVICE_NAME,
+    )
+    # reflection.aio is public (enable_server_reflection uses it) but not in its __all__.
+    servicer = reflection.aio.ReflectionServicer(services)  # type: ignore[attr-defined]
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
 
 
 def run_daemon(config: DaemonConfig) -> None:

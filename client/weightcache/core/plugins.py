@@ -14,7 +14,7 @@ The same plugin code runs in the daemon and in the worker's disk path.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,10 +37,17 @@ class RecipePlugin(Protocol):
 
 @dataclass(frozen=True)
 class PluginStep:
-    """One plugin applied with parameters (string to string)."""
+    """One plugin applied with parameters (string to string).
+
+    Attributes:
+        version: the version of the plugin applied, in a recipe as a daemon reports it
+            (``Pipeline.resolved``); empty in a requested recipe, where the installed
+            plugin decides. Not compared: the step is its name and parameters.
+    """
 
     name: str
     params: tuple[tuple[str, str], ...] = ()
+    version: str = field(default="", compare=False)
 
     @classmethod
     def parse(cls, text: str) -> PluginStep:
