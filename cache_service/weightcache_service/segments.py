@@ -97,11 +97,13 @@ class Skipped:
 
     Attributes:
         path: the entry.
-        why: what it is instead (``"a folder"``, ``"owned by uid 65534"``, ...).
+        why: what it is instead (``"a folder"``, ``"owned by uid 65534, not 0"``, ...).
+        owner: the file's uid when it is a regular file skipped for its owner alone.
     """
 
     path: str
     why: str
+    owner: int | None = None
 
 
 def _kind(mode: int) -> str:
@@ -136,7 +138,7 @@ def inspect(path: str, uid: int | None) -> os.stat_result | Skipped | None:
     if not stat.S_ISREG(info.st_mode):
         return Skipped(path, _kind(info.st_mode))
     if uid is not None and info.st_uid != uid:
-        return Skipped(path, f"owned by uid {info.st_uid}, not {uid}")
+        return Skipped(path, f"owned by uid {info.st_uid}, not {uid}", owner=info.st_uid)
     return info
 
 
@@ -164,7 +166,7 @@ def list_segments(
 ) -> list[Segment]:
     """Every segment in ``shm_dir`` whose name says who owns it and that is a regular file
     (owned by ``uid``, when given), sorted by path. Other entries with such a name are
-    appended to ``skipped``.
+    appended to ``skipped``, except other users' segments (theirs to remove, not news).
 
     Raises:
         OSError: ``shm_dir`` cannot be listed.
@@ -178,7 +180,7 @@ def list_segments(
         if info is None:
             continue
         if isinstance(info, Skipped):
-            if skipped is not None:
+            if skipped is not None and info.owner is None:
                 skipped.append(info)
             continue
         found.append(

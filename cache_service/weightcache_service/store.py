@@ -11,8 +11,9 @@ At level ``full``, shards whose sha256 the hash cache does not hold are hashed w
 are copied into the arena (threads reading the same descriptors), not before: the files are
 read once from disk, and a first load takes about the longer of the two, not their sum.
 Until then the entry's fingerprint is pending (:func:`pending_fingerprint`); a second load
-of the very same files is refused at once by file identity, and one of the same content
-from other files when the hashes are known.
+of the very same files is refused at once by file identity (when that identity vouches for
+their bytes: :meth:`Checkpoint.identities_vouch`), and one of the same content from other
+files when the hashes are known.
 """
 
 from __future__ import annotations
@@ -467,7 +468,9 @@ def _same_model(entry: Entry, fp: Fingerprint, files: dict[str, FileIdentity]) -
     digest, or (either fingerprint may be pending) the same files and request components."""
     if fp.digest and entry.fingerprint.digest == fp.digest:
         return True
-    return entry.loaded_from(fp.components, files)
+    # By identity only where it vouches: files rewritten within a timestamp granule of the
+    # held load are loaded again, and refused then only if their digest is the same.
+    return entry.loaded_from(fp.components, files) and entry.checkpoint.identities_vouch()
 
 
 def _ready(entry: Entry) -> Entry:
