@@ -25,7 +25,7 @@ import torch
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import ResourceExhaustedError
 from weightcache.core.records import SharedMemoryHandle, StorageHandle, TensorView
-from weightcache.core.sockets import SHM_DIR, tag_prefix
+from weightcache.core.sockets import SHM_DIR
 from weightcache_service.segments import segment_name
 
 ALIGNMENT = 256
@@ -218,21 +218,3 @@ class SharedMemoryArena:
             gc.collect()
             with contextlib.suppress(BufferError):
                 self._mmap.close()
-
-
-def remove_stale_segments(tag: str, keep_prefix: str) -> list[str]:
-    """Unlink ``weightcache-<tag>-*`` segments left by an earlier daemon on the same socket.
-
-    Only the holder of the socket's lock may call this. Segments whose name starts with
-    ``keep_prefix`` (this instance's) are kept.
-    """
-    removed = []
-    start = tag_prefix(tag)
-    for entry in os.scandir(SHM_DIR):
-        if entry.name.startswith(start) and not entry.name.startswith(keep_prefix):
-            try:
-                os.unlink(entry.path)
-                removed.append(entry.path)
-            except FileNotFoundError:
-                pass
-    return removed

@@ -19,7 +19,9 @@ Subcommands:
 - ``gc [--dry-run]``: remove the /dev/shm segments of daemons that died without cleaning
   up (a SIGKILL, a crash), whatever socket they served; prints one line per segment.
   Only the caller's own segments, or any for root; a live daemon's are never touched.
-  Exits 0, or 1 when /dev/shm cannot be read or a segment cannot be removed.
+  Entries named like segments that are not regular files the caller may remove (a
+  folder, a symlink, another user's file: anyone can create names in /dev/shm) are
+  skipped with a ``skipped PATH: WHY`` line. Exits 0, or 1 when /dev/shm cannot be read.
 
 The daemon and every client subcommand take ``--device`` (default ``cpu``) and
 ``--socket``: without ``--socket``, the socket is the device's by the one rule of
@@ -313,6 +315,9 @@ def daemon_socket(args: argparse.Namespace, device: Device | None = None) -> str
 
 
 def _preload(args: argparse.Namespace) -> int:
+    from weightcache_service import signals
+
+    signals.ignore_early()  # first: a SIGHUP while the rest imports must not end the daemon
     from weightcache.core.plugins import PluginStep
     from weightcache.core.recipe import Placement, Recipe, parse_dtype
     from weightcache.core.tp import TPPlan
@@ -569,29 +574,28 @@ def _evict(socket: str, name: str, force: bool, timeout: float) -> int:
 
 def _gc(dry_run: bool) -> int:
     from weightcache.core.sockets import SHM_DIR
-    from weightcache_service.segments import dead_segments
+    from weightcache_service.segments import Skipped, dead_segments, remove_segment
 
+    skipped: list[Skipped] = []
     try:
-        dead = dead_segments()
+        dead = dead_segments(skipped=skipped)
     except OSError as exc:
         print(f"weightcache gc: cannot list {SHM_DIR}: {exc.strerror}", file=sys.stderr)
         return EXIT_FAILURE
-    status = 0
     for segment in dead:
         what = f"{segment.path} ({segment.size} bytes, daemon pid {segment.pid})"
         if dry_run:
             print(f"would remove {what}")
             continue
-        try:
-            os.unlink(segment.path)
-        except FileNotFoundError:
-            continue  # another gc, or a starting daemon, was first
-        except OSError as exc:
-            print(f"weightcache gc: cannot remove {segment.path}: {exc.strerror}", file=sys.stderr)
-            status = EXIT_FAILURE
+        refused = remove_segment(segment)
+        if refused is not None:
+            skipped.append(refused)
             continue
         print(f"removed {what}")
-    return status
+    # Names anyone can plant in /dev/shm: reported, never a failure (SECURITY.md).
+    for entry in skipped:
+        print(f"skipped {entry.path}: {entry.why}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import resource
-import signal
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, Level
@@ -29,6 +28,7 @@ from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME, target
 from weightcache.core.sockets import segment_tag
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service import signals
 from weightcache_service.access import (
     CONNECTION_OPTIONS,
     Access,
@@ -36,7 +36,6 @@ from weightcache_service.access import (
     is_loopback,
     parse_listen,
 )
-from weightcache_service.arena import remove_stale_segments
 from weightcache_service.authz import AuthorizationInterceptor, Policy
 from weightcache_service.backend import CPU_DEVICE, Device, open_backend
 from weightcache_service.budget import MemoryBudget
@@ -46,7 +45,12 @@ from weightcache_service.health import Health, HealthListener
 from weightcache_service.leases import LeaseTable
 from weightcache_service.metrics import Metrics, MetricsListener
 from weightcache_service.notify import Notifier
-from weightcache_service.segments import remove_dead_segments, segment_prefix
+from weightcache_service.segments import (
+    Skipped,
+    remove_dead_segments,
+    remove_stale_segments,
+    segment_prefix,
+)
 from weightcache_service.servicer import WeightCacheServicer
 from weightcache_service.socket_lock import SocketLock
 from weightcache_service.store import Entry, Store
@@ -251,17 +255,23 @@ class Daemon:
     def _clean_after_predecessor(self, socket: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket)  # we hold the lock: whoever bound it is gone
-        for path in remove_stale_segments(self._tag, self._segment_prefix):
-            log.warning("removed a dead daemon's segment", path=path)
-        # Dead daemons of other sockets too: a crash followed by a restart elsewhere must
-        # not leave its memory behind for good.
+        # /dev/shm is everyone's: whatever is there is checked, and what is not ours to
+        # remove is skipped and logged, never fatal (SECURITY.md).
+        skipped: list[Skipped] = []
         try:
-            dead = remove_dead_segments()
+            stale, skipped = remove_stale_segments(self._tag, self._segment_prefix)
+            # Dead daemons of other sockets too: a crash followed by a restart elsewhere
+            # must not leave its memory behind for good.
+            dead = remove_dead_segments(skipped=skipped)
         except OSError as exc:
             log.warning("cannot look for dead daemons' segments", error=str(exc))
-            dead = []
+            stale, dead = [], []
+        for path in stale:
+            log.warning("removed a dead daemon's segment", path=path)
         for segment in dead:
             log.warning("removed a dead daemon's segment", path=segment.path, pid=segment.pid)
+        for entry in dict.fromkeys(skipped):
+            log.warning("skipped a segment name that is not ours", path=entry.path, why=entry.why)
 
     async def _start_server(self, socket: str) -> grpc.aio.Server:
         tcp = self.config.tcp
@@ -280,14 +290,7 @@ class Daemon:
         )
         pb_grpc.add_WeightCacheServiceServicer_to_server(WeightCacheServicer(self.cache), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
+        _enable_reflection(server)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
         try:
             server.add_insecure_port(target(socket))
@@ -446,8 +449,37 @@ class Daemon:
         log.info("stopped")
 
 
+#: Server reflection's stable name. grpcio-reflection serves only ``v1alpha``, whose
+#: messages ``v1`` repeats field for field under another package (grpc/grpc-proto,
+#: ``grpc/reflection/v1/reflection.proto``): the same servicer answers both.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(server: grpc.aio.Server) -> None:
+    """Serve server reflection as ``grpc.reflection.v1`` (what grpcurl and current
+    clients ask first) and ``grpc.reflection.v1alpha`` (older ones)."""
+    services = (
+        SERVICE_NAME,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        REFLECTION_V1,
+        reflection.SERVICE_NAME,
+    )
+    # reflection.aio is public (enable_server_reflection uses it) but not in its __all__.
+    servicer = reflection.aio.ReflectionServicer(services)  # type: ignore[attr-defined]
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
+
+
 def run_daemon(config: DaemonConfig) -> None:
-    """Run a daemon in the foreground until SIGTERM or SIGINT.
+    """Run a daemon in the foreground until SIGTERM, SIGINT, SIGQUIT or SIGXCPU (what each
+    signal does: :mod:`weightcache_service.signals`).
 
     Raises:
         AccessError: the socket folder or the TCP listener is unusable or unsafe.
@@ -457,9 +489,7 @@ def run_daemon(config: DaemonConfig) -> None:
 
     async def main() -> None:
         daemon = Daemon(config)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, daemon.stop)
+        signals.install(asyncio.get_running_loop(), daemon.stop)
         await daemon.run()
 
     asyncio.run(main())

@@ -11,8 +11,9 @@ At level ``full``, shards whose sha256 the hash cache does not hold are hashed w
 are copied into the arena (threads reading the same descriptors), not before: the files are
 read once from disk, and a first load takes about the longer of the two, not their sum.
 Until then the entry's fingerprint is pending (:func:`pending_fingerprint`); a second load
-of the very same files is refused at once by file identity, and one of the same content
-from other files when the hashes are known.
+of the very same files is refused at once by file identity (when that identity vouches for
+their bytes: :meth:`Checkpoint.identities_vouch`), and one of the same content from other
+files when the hashes are known.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ class Entry:
     def loaded_from(self, components: dict[str, str], files: dict[str, FileIdentity]) -> bool:
         """Whether this model has the request components ``components`` (format, placement,
         recipe) and was loaded from ``files``: each file it read is there, by name, with the
-        same identity (dev, inode, size, mtime, ctime), so it is the same file, unchanged."""
+        same identity (dev, inode, size, mtime, ctime), so it is the same file, unchanged
+        (that it proves so: :meth:`Checkpoint.identities_vouch`, checked by callers that
+        hand out the model's bytes for it)."""
         held = self.fingerprint.components
         if any(held.get(name) != components.get(name) for name in REQUEST_COMPONENTS):
             return False
@@ -379,8 +382,18 @@ class Store:
             for e in self._entries.values()
             if e.state != "evicting" and e.loaded_from(components, files)
         ]
-        for entry in sorted(matches, key=lambda e: e.state != "ready"):
+        vouched = [e for e in matches if e.checkpoint.identities_vouch()]
+        for entry in sorted(vouched, key=lambda e: e.state != "ready"):
             return _ready(entry)
+        if matches:
+            # Same identity, but changed within a timestamp granule of the daemon's read:
+            # the identity cannot tell, the worker's own fingerprint can.
+            raise ModelNotFoundError(
+                f"model {matches[0].name!r} was loaded from these files, but they changed "
+                "within their file system's timestamp granule of when the daemon read them: "
+                "their identity cannot vouch for their bytes; send the fingerprint",
+                metadata={"path": clip(path), "model": matches[0].name},
+            )
         raise ModelNotFoundError(
             f"no held model was loaded from the files of {clip(path)} with this recipe, "
             "placement and fingerprint level",
@@ -455,7 +468,9 @@ def _same_model(entry: Entry, fp: Fingerprint, files: dict[str, FileIdentity]) -
     digest, or (either fingerprint may be pending) the same files and request components."""
     if fp.digest and entry.fingerprint.digest == fp.digest:
         return True
-    return entry.loaded_from(fp.components, files)
+    # By identity only where it vouches: files rewritten within a timestamp granule of the
+    # held load are loaded again, and refused then only if their digest is the same.
+    return entry.loaded_from(fp.components, files) and entry.checkpoint.identities_vouch()
 
 
 def _ready(entry: Entry) -> Entry:

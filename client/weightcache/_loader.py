@@ -572,8 +572,9 @@ class _Attach:
             socket=self.socket,
             model=reply.model.name,
             # The daemon's copy of the same header's: by fingerprint, the layout component
-            # covers every header; by file identity, the headers are the same files'.
-            metadata=dict(reply.model.metadata),
+            # covers every header; by file identity, the headers are the same files'. Over
+            # MAX_METADATA_BYTES the daemon sends none: read from the checkpoint then.
+            metadata=_metadata(reply.model),
         )
         if self.mode == "copy":
             release(self.socket, lease_id)
@@ -590,7 +591,7 @@ class _Attach:
         )
         session_for(self.socket).add(weights.lease)
         if key is not None and isinstance(storage, SharedMemoryHandle):
-            metadata = dict(reply.model.metadata)
+            metadata = _metadata(reply.model)
             answer = _sharing.Answer(storage, views, owner, fp, reply.model.name, metadata)
             weights._shared = _sharing.share(key, weights.lease, answer, arena)
         return weights
@@ -640,7 +641,7 @@ class _Attach:
             checkpoint=checkpoint,
             socket=self.socket,
             model=answer.model,
-            metadata=dict(answer.metadata),
+            metadata=None if answer.metadata is None else dict(answer.metadata),
             lease=held.lease,
         )
         weights._shared = held
@@ -727,3 +728,10 @@ def _acquire_once(socket: str, request: pb.AcquireRequest) -> pb.AcquireResponse
         return reply
 
     return call_shared(socket, acquire)
+
+
+def _metadata(model: pb.Model) -> dict[str, str] | None:
+    """The ``__metadata__`` a Model message echoes, or None when the daemon omitted it
+    (over ``core.protocol.MAX_METADATA_BYTES``): ``LoadedWeights.metadata`` then reads the
+    checkpoint's header."""
+    return None if model.metadata_omitted else dict(model.metadata)

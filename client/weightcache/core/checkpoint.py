@@ -21,6 +21,7 @@ import math
 import os
 import stat
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from weightcache.core.errors import (
     ResourceExhaustedError,
     WeightCacheError,
 )
+from weightcache.core.timestamps import settle, vouches
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -140,13 +142,26 @@ class Checkpoint:
         tensors: every tensor, by name, in shard then header order.
         index: the identity of ``model.safetensors.index.json`` when it was read; None
             for a single-file checkpoint.
+        opened_ns: ``time.time_ns()`` before the first file was opened: every byte of the
+            checkpoint was read after it (:meth:`identities_vouch`).
     """
 
     root: Path
     shards: tuple[ShardInfo, ...]
     tensors: dict[str, TensorInfo]
     index: FileIdentity | None = None
+    opened_ns: int = 0
     _files: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def identities_vouch(self) -> bool:
+        """Whether the identities of its files (:meth:`file_identities`), found unchanged
+        later, prove that the bytes read since :attr:`opened_ns` are still the files':
+        each file's last change came more than its file system's timestamp granule before
+        (:func:`weightcache.core.timestamps.vouches`)."""
+        return all(
+            vouches(i.dev, i.mtime_ns, i.ctime_ns, self.opened_ns)
+            for i in self.file_identities().values()
+        )
 
     def file_identities(self) -> dict[str, FileIdentity]:
         """Every file read, by name relative to :attr:`root`, as it was when opened: the
@@ -265,6 +280,7 @@ def open_checkpoint(
     """
     if repo_id is not None:
         path = hub_snapshot(path, repo_id, revision)
+    opened_ns = time.time_ns()  # before any byte is read (Checkpoint.identities_vouch)
     files: dict[str, int] = {}
     try:
         try:
@@ -276,9 +292,10 @@ def open_checkpoint(
             files[real.name] = fd
             if check_file is not None:
                 check_file(real)
-            return _assemble(real.parent, files, weight_map=None)
+            settle(fd)
+            return _assemble(real.parent, files, weight_map=None, opened_ns=opened_ns)
         try:
-            return _open_folder(fd, real, files, check_file)
+            return _open_folder(fd, real, files, check_file, opened_ns)
         finally:
             os.close(fd)
     except BaseException:
@@ -337,7 +354,11 @@ def _stat_all(folder: int, names: list[str]) -> dict[str, FileIdentity]:
 
 
 def _open_folder(
-    folder: int, root: Path, files: dict[str, int], check_file: Callable[[Path], None] | None
+    folder: int,
+    root: Path,
+    files: dict[str, int],
+    check_file: Callable[[Path], None] | None,
+    opened_ns: int,
 ) -> Checkpoint:
     if not stat.S_ISDIR(os.fstat(folder).st_mode):
         raise InvalidCheckpointError(f"{root}: neither a folder nor a regular file")
@@ -356,7 +377,7 @@ def _open_folder(
         if fd is None:
             raise InvalidCheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
         files[name] = fd
-    return _assemble(root, files, weight_map=weight_map, index=index_identity)
+    return _assemble(root, files, weight_map=weight_map, index=index_identity, opened_ns=opened_ns)
 
 
 def _open(path: str, folder: int | None, shown: str) -> int:
@@ -407,6 +428,7 @@ def _open_file(
             raise InvalidCheckpointError(f"{root}: {name} is not a regular file")
         if check_file is not None:
             check_file(_real_path(fd, os.path.join(root, name)))
+        settle(fd)  # before any byte is read: see weightcache.core.timestamps
     except BaseException:
         os.close(fd)
         raise
@@ -485,6 +507,7 @@ def _assemble(
     files: dict[str, int],
     weight_map: dict[str, str] | None,
     index: FileIdentity | None = None,
+    opened_ns: int = 0,
 ) -> Checkpoint:
     shards = []
     tensors: dict[str, TensorInfo] = {}
@@ -508,7 +531,14 @@ def _assemble(
             raise InvalidCheckpointError(
                 f"{root}: the index lists tensors absent from their shards: {missing[:5]}"
             )
-    return Checkpoint(root=root, shards=tuple(shards), tensors=tensors, index=index, _files=files)
+    return Checkpoint(
+        root=root,
+        shards=tuple(shards),
+        tensors=tensors,
+        index=index,
+        opened_ns=opened_ns,
+        _files=files,
+    )
 
 
 def read_shard_header(fd: int, name: str, path: Path) -> ShardInfo:

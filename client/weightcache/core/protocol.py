@@ -191,7 +191,10 @@ def recipe_pb(recipe: Recipe) -> pb.Recipe:
     rules = recipe.tp_plan.rules if recipe.tp_plan is not None else ()
     return pb.Recipe(
         dtype=recipe.dtype or "",
-        plugins=[pb.RecipePlugin(name=s.name, params=dict(s.params)) for s in recipe.plugins],
+        plugins=[
+            pb.RecipePlugin(name=s.name, params=dict(s.params), version=s.version)
+            for s in recipe.plugins
+        ],
         tp_rules=[pb.TensorParallelRule(pattern=p, style=s) for p, s in rules],
     )
 
@@ -224,7 +227,8 @@ def recipe_from_pb(message: pb.Recipe, admit: Callable[[str], None] | None = Non
     for plugin in message.plugins:
         if admit is not None:
             admit(plugin.name)
-        steps.append(PluginStep(plugin.name, tuple(sorted(plugin.params.items()))))
+        # The version is kept (a Model's recipe reports it) but never decides anything.
+        steps.append(PluginStep(plugin.name, tuple(sorted(plugin.params.items())), plugin.version))
     rules = tuple((r.pattern, r.style) for r in message.tp_rules)
     return Recipe(
         dtype=parse_dtype(message.dtype or None),
@@ -280,8 +284,22 @@ def progress_from_pb(message: pb.LoadProgress) -> LoadProgress:
     )
 
 
+#: Most bytes of ``__metadata__`` (keys and values in UTF-8) a Model message echoes: a
+#: header may hold 100 MB of it, and every Model of a ListModels reply, or of a Preload
+#: stream's messages, would carry it (one such model broke listing for everyone).
+MAX_METADATA_BYTES = 65536
+
+
+def metadata_bytes(metadata: dict[str, str]) -> int:
+    """Bytes of ``metadata``'s keys and values in UTF-8 (what :data:`MAX_METADATA_BYTES`
+    bounds)."""
+    return sum(len(k.encode()) + len(v.encode()) for k, v in metadata.items())
+
+
 def model_pb(model: ModelInfo) -> pb.Model:
-    """A model snapshot as its wire message (``load_duration`` set only when known)."""
+    """A model snapshot as its wire message (``load_duration`` set only when known; the
+    metadata only when within :data:`MAX_METADATA_BYTES`, else ``metadata_omitted``)."""
+    omitted = model.metadata_omitted or metadata_bytes(model.metadata) > MAX_METADATA_BYTES
     message = pb.Model(
         name=model.name,
         state=_STATE_TO_PB[model.state],
@@ -295,7 +313,8 @@ def model_pb(model: ModelInfo) -> pb.Model:
         create_time=timestamp_pb(model.create_time),
         error=model.error,
         progress=progress_pb(model.progress),
-        metadata=model.metadata,
+        metadata={} if omitted else model.metadata,
+        metadata_omitted=omitted,
     )
     if model.load_seconds is not None:
         message.load_duration.CopyFrom(duration_pb(model.load_seconds))
@@ -338,6 +357,7 @@ def model_from_pb(message: pb.Model) -> ModelInfo:
             duration_from_pb(message.load_duration) if message.HasField("load_duration") else None
         ),
         metadata=dict(message.metadata),
+        metadata_omitted=message.metadata_omitted,
     )
 
 

@@ -209,7 +209,8 @@ class Pipeline:
             dtype=self.identity["dtype"],
             tp_plan=TPPlan(tuple((pattern, style) for pattern, style in plan)) if plan else None,
             plugins=tuple(
-                PluginStep(step["name"], tuple(step["params"])) for step in self.identity["plugins"]
+                PluginStep(step["name"], tuple(step["params"]), step["version"])
+                for step in self.identity["plugins"]
             ),
         )
 

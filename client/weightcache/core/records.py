@@ -179,6 +179,8 @@ class ModelInfo:
     error: str = ""
     load_seconds: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    #: On the wire: the metadata was over ``core.protocol.MAX_METADATA_BYTES`` and not sent.
+    metadata_omitted: bool = False
 
 
 @dataclass(frozen=True)

@@ -157,15 +157,34 @@ def _uuid_of(index: int | None, shown: str) -> str:
 
 def segment_tag(socket: str) -> str:
     """The 12 lowercase hex digits that the daemon serving ``socket`` puts in its segment
-    names (``weightcache-<tag>-…``): the sha256 of the socket's path with its folder
-    resolved.
+    names (``weightcache-<tag>-…``): the sha256 of this process's mount namespace
+    (:func:`mount_namespace`) and the socket's path with its folder resolved.
 
     The folder is resolved, not the socket itself: a symlink planted at the socket path must
-    not lend the daemon another socket's tag (and that socket's segments to clean up).
+    not lend the daemon another socket's tag (and that socket's segments to clean up). The
+    mount namespace is in it because one path names different sockets in different
+    namespaces (two containers sharing ``/dev/shm``, each with its own ``/run``): their
+    daemons hold different locks, and neither may take the other's segments for its
+    predecessor's.
     """
     folder, name = os.path.split(os.path.abspath(socket))
     path = os.path.join(os.path.realpath(folder), name)
-    return hashlib.sha256(path.encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{mount_namespace()}\0{path}".encode()).hexdigest()[:12]
+
+
+#: Where Linux names this process's mount namespace (namespaces(7)).
+MOUNT_NAMESPACE = "/proc/self/ns/mnt"
+
+
+def mount_namespace() -> str:
+    """This process's mount namespace as ``<st_dev>:<st_ino>`` of :data:`MOUNT_NAMESPACE`
+    (what namespaces(7) says identifies it), or ``""`` where it cannot be read (no
+    ``/proc``)."""
+    try:
+        info = os.stat(MOUNT_NAMESPACE)
+    except OSError:
+        return ""
+    return f"{info.st_dev}:{info.st_ino}"
 
 
 def tag_prefix(tag: str) -> str:

@@ -121,7 +121,7 @@ class Recipe(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., plugins: _Optional[_Iterable[_Union[RecipePlugin, _Mapping]]] = ..., tp_rules: _Optional[_Iterable[_Union[TensorParallelRule, _Mapping]]] = ...) -> None: ...
 
 class RecipePlugin(_message.Message):
-    __slots__ = ("name", "params")
+    __slots__ = ("name", "params", "version")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,9 +131,11 @@ class RecipePlugin(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     params: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    version: str
+    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class TensorParallelRule(_message.Message):
     __slots__ = ("pattern", "style")
@@ -164,7 +166,7 @@ class LoadProgress(_message.Message):
     def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "state", "fingerprint", "path", "recipe", "placement", "size_bytes", "tensor_count", "lease_count", "load_duration", "create_time", "error", "progress", "metadata")
+    __slots__ = ("name", "state", "fingerprint", "path", "recipe", "placement", "size_bytes", "tensor_count", "lease_count", "load_duration", "create_time", "error", "progress", "metadata", "metadata_omitted")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +188,7 @@ class Model(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    METADATA_OMITTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     fingerprint: Fingerprint
@@ -200,7 +203,8 @@ class Model(_message.Message):
     error: str
     progress: LoadProgress
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tensor_count: _Optional[int] = ..., lease_count: _Optional[int] = ..., load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    metadata_omitted: bool
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tensor_count: _Optional[int] = ..., lease_count: _Optional[int] = ..., load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., metadata_omitted: _Optional[bool] = ...) -> None: ...
 
 class SharedMemoryHandle(_message.Message):
     __slots__ = ("path", "size")
