@@ -264,7 +264,7 @@ def test_load_options_defaults_are_loads_defaults() -> None:
         "wait_timeout": 30.0,
         "lease_policy": None,
         "on_lease_lost": None,
-        "on_revoke": "copy",
+        "on_revoke": "keep",
         "trusted_uid": None,
     }
     # The keywords load() and load_into() take are exactly the fields, with their types.
@@ -371,7 +371,10 @@ INVALID_OPTIONS: list[tuple[dict[str, Any], str]] = [
         {"lease_policy": "retry"},
         "lease_policy must be one of ('raise', 'exit', 'ignore'), not 'retry'",
     ),
-    ({"on_revoke": "keep"}, "on_revoke must be one of ('copy', 'raise', 'exit'), not 'keep'"),
+    (
+        {"on_revoke": "drop"},
+        "on_revoke must be one of ('keep', 'copy', 'raise', 'exit'), not 'drop'",
+    ),
     (
         {"dtype": "F16", "recipe": weightcache.Recipe()},
         "give dtype inside the recipe, not beside it",

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,9 +49,13 @@ from weightcache.core.records import (
     LeaseStatus,
     ModelInfo,
     ServerInfo,
+    SharedMemoryHandle,
+    UnlinkedArena,
 )
 from weightcache.core.version import PROTOCOL_VERSION, __version__
+from weightcache_service.arena import Arena
 from weightcache_service.backend import Backend
+from weightcache_service.handover import HandOverRefusedError, HeldLease, HeldModel
 from weightcache_service.leases import Lease, LeaseTable
 from weightcache_service.store import Entry, Store, clip
 
@@ -122,6 +126,8 @@ class WeightCache:
         self.instance_id = instance_id
         self.backend = backend
         self.draining = False
+        #: Stopping for a restart: leases are handed over, not revoked.
+        self.handing_over = False
         #: Until every start-up preload is registered, a miss may be a model about to load.
         self.starting = False
         self.start_time = time.time()
@@ -135,6 +141,8 @@ class WeightCache:
         self.events = CacheEvents()
         self._sessions: dict[int, Outbox] = {}
         self._loads: set[asyncio.Task[None]] = set()
+        #: Arenas revoked on shared memory, unlinked, that workers still map, oldest first.
+        self._unlinked: list[_Unlinked] = []
 
     # -- loading ---------------------------------------------------------------------
 
@@ -191,7 +199,9 @@ class WeightCache:
         checkpoint, pipeline, fp = await asyncio.to_thread(prepare)
         try:
             try:
-                entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
+                entry = self.store.add(
+                    checkpoint, recipe, placement, pipeline, fp, unlinked=self.unlinked_bytes()
+                )
             except ResourceExhaustedError:
                 if not fp.pending:
                     raise
@@ -204,7 +214,9 @@ class WeightCache:
                 )
                 for other in self.store.loading_as(fp):
                     await asyncio.to_thread(other.finished.wait)
-                entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
+                entry = self.store.add(
+                    checkpoint, recipe, placement, pipeline, fp, unlinked=self.unlinked_bytes()
+                )
         except BaseException:
             checkpoint.close()
             raise
@@ -249,6 +261,114 @@ class WeightCache:
         # Wait on the threads themselves: a cancelled asyncio task does not stop its thread,
         # and freeing an arena a thread still writes into would crash the process.
         await asyncio.to_thread(lambda: [entry.finished.wait() for entry in entries])
+
+    # -- hand-over -------------------------------------------------------------------------
+
+    def handed_over(self) -> list[HeldModel]:
+        """What a hand-over leaves to the successor: every READY model whose arena is a
+        shared-memory segment, with its live leases."""
+        held = []
+        for entry in self.store.entries():
+            if entry.state != "ready" or not isinstance(entry.handle, SharedMemoryHandle):
+                continue
+            leases = tuple(
+                HeldLease(x.lease_id, x.ttl, x.request_id, x.pid)
+                for x in self.leases.for_model(entry.name)
+            )
+            held.append(
+                HeldModel(
+                    name=entry.name,
+                    path=str(entry.checkpoint.root),
+                    segment=entry.handle.path,
+                    size=entry.size,
+                    files=entry.checkpoint.file_identities(),
+                    recipe=entry.recipe,
+                    placement=entry.placement,
+                    fingerprint=entry.fingerprint,
+                    load_seconds=entry.load_seconds,
+                    create_time=entry.create_time,
+                    leases=leases,
+                )
+            )
+        return held
+
+    def adopt(self, held: HeldModel, arena_of: Callable[[int], Arena]) -> Entry:
+        """Serve a model a predecessor handed over, from its segment, with its leases under
+        the same ids. The checkpoint's headers are read again (not its tensors): its files
+        must be the very files the predecessor loaded (same identities), its layout must
+        need exactly the segment's size, and its fingerprint must be the manifest's
+        (recomputed when no file needs reading: levels ``layout``, ``sampled``, and
+        ``full`` with every shard's digest in the hash cache; else the components that
+        read no file are compared).
+
+        Raises:
+            HandOverRefusedError: any of that does not hold.
+            WeightCacheError: the checkpoint or the recipe cannot be opened or built.
+            OSError: the segment cannot be adopted.
+        """
+        checkpoint = open_checkpoint(held.path)
+        try:
+            if checkpoint.file_identities() != held.files:
+                raise HandOverRefusedError(
+                    f"the files of {held.path} changed since they were loaded"
+                )
+            pipeline = held.recipe.build(checkpoint, held.placement)
+            fp = self._adopted_fingerprint(held, checkpoint, pipeline)
+
+            def arena(size: int) -> Arena:
+                if size != held.size:
+                    raise HandOverRefusedError(
+                        f"the checkpoint's layout needs {size} bytes; the segment has {held.size}"
+                    )
+                return arena_of(size)
+
+            entry = self.store.adopt(
+                held.name,
+                checkpoint,
+                held.recipe,
+                held.placement,
+                pipeline,
+                fp,
+                arena,
+                held.load_seconds,
+            )
+        finally:
+            checkpoint.close()
+        entry.create_time = held.create_time
+        for lease in held.leases:
+            self.leases.restore(lease.lease_id, entry.name, lease.ttl, lease.request_id, lease.pid)
+        return entry
+
+    @staticmethod
+    def _adopted_fingerprint(
+        held: HeldModel, checkpoint: Checkpoint, pipeline: Pipeline
+    ) -> Fingerprint:
+        level = held.fingerprint.level
+        known = cached_digests(checkpoint) if level == "full" else {}
+        if level != "full" or len(known) == len(checkpoint.shards):
+            fp = compute_fingerprint(checkpoint, pipeline, held.placement, level, file_sha256=known)
+            if fp.digest != held.fingerprint.digest:
+                raise HandOverRefusedError(f"the fingerprint of {held.path} is not the manifest's")
+            return fp
+        pending = pending_fingerprint(checkpoint, pipeline, held.placement)
+        differing = [
+            name
+            for name, digest in pending.components.items()
+            if held.fingerprint.components.get(name) != digest
+        ]
+        if differing:
+            raise HandOverRefusedError(
+                f"the fingerprint of {held.path} differs from the manifest's in "
+                f"{', '.join(differing)}"
+            )
+        return held.fingerprint
+
+    def announce_hand_over(self) -> None:
+        """Tell every KeepAlive stream that this daemon hands its leases over to its
+        successor (``KeepAliveResponse.hand_over``): their holders reconnect."""
+        self.handing_over = True
+        for outbox in self._sessions.values():
+            outbox.put_nowait([])
 
     # -- remote preload permissions ------------------------------------------------------
 
@@ -337,7 +457,22 @@ class WeightCache:
             memory_budget_bytes=limit or 0,
             instance_id=self.instance_id,
             start_time=self.start_time,
+            memory_unlinked_bytes=self.unlinked_bytes(),
         )
+
+    def unlinked_arenas(self) -> list[UnlinkedArena]:
+        """Arenas revoked on shared memory that workers still map, oldest first: known by
+        their revoked leases not yet ended (released, expired, or their stream closed)."""
+        self._prune_unlinked()
+        return [
+            UnlinkedArena(u.model, u.size, len(u.lease_ids), u.unlink_time) for u in self._unlinked
+        ]
+
+    def unlinked_bytes(self) -> int:
+        """Bytes of :meth:`unlinked_arenas`: not held, but not free either (counted
+        against the budget)."""
+        self._prune_unlinked()
+        return sum(u.size for u in self._unlinked)
 
     # -- leases ------------------------------------------------------------------------
 
@@ -459,6 +594,9 @@ class WeightCache:
     def _lease_status(self, lease_id: str, lease: Lease | None) -> LeaseStatus:
         if lease is None:
             return LeaseStatus(lease_id, "not_found")
+        if lease.detached:
+            # No deadline: the daemon frees nothing under the mapping any more.
+            return LeaseStatus(lease_id, "revoking", expire_time=self._wall(lease.expire_at))
         if lease.revoke_deadline is not None:
             return LeaseStatus(
                 lease_id,
@@ -515,19 +653,34 @@ class WeightCache:
         for outbox in self._sessions.values():
             outbox.put_nowait(None)
 
-    def revoke_all(self) -> int:
-        """Revoke every lease (drain); returns how many were live."""
-        count = len(self.leases)
+    def revoke_all(self) -> None:
+        """Revoke every lease (drain)."""
         for entry in self.store.entries():
             if self.leases.for_model(entry.name):
                 self._revoke(entry)
-        return count
 
     def _revoke(self, entry: Entry) -> None:
-        entry.state = "evicting"
-        deadline = self.leases.clock() + self.options.drain_timeout
-        revoked = self.leases.revoke(entry.name, deadline)
-        log.warning("revoking", model=entry.name, leases=len(revoked))
+        """Push REVOKING to every holder of ``entry``. On shared memory the model is
+        dropped now (its segment unlinked: the workers' mappings keep their bytes, which
+        never change) and its leases detached, counted as unlinked until they end; on a GPU
+        it is EVICTING until they end or the drain timeout passes."""
+        if self.backend.unlink_keeps_mappings:
+            revoked = self.leases.detach(entry.name)
+            self.store.remove(entry.name)
+            self._unlinked.append(
+                _Unlinked(entry.name, entry.size, time.time(), {x.lease_id for x in revoked})
+            )
+            log.warning(
+                "revoked: segment unlinked, workers keep their mappings",
+                model=entry.name,
+                leases=len(revoked),
+                bytes=entry.size,
+            )
+        else:
+            entry.state = "evicting"
+            deadline = self.leases.clock() + self.options.drain_timeout
+            revoked = self.leases.revoke(entry.name, deadline)
+            log.warning("revoking", model=entry.name, leases=len(revoked))
         self.events.leases_revoked(len(revoked))
         for lease in revoked:
             outbox = self._sessions.get(lease.session) if lease.session is not None else None
@@ -546,3 +699,26 @@ class WeightCache:
             if entry.state == "evicting" and not self.leases.for_model(entry.name):
                 self.store.remove(entry.name)
                 log.info("evicted", model=entry.name)
+        self._prune_unlinked()
+
+    def _prune_unlinked(self) -> None:
+        """Forget the unlinked arenas whose revoked leases have all ended."""
+        kept = []
+        for unlinked in self._unlinked:
+            unlinked.lease_ids = set(self.leases.live(unlinked.lease_ids))
+            if unlinked.lease_ids:
+                kept.append(unlinked)
+            else:
+                log.info("unlinked arena released", model=unlinked.model, bytes=unlinked.size)
+        self._unlinked = kept
+
+
+@dataclass
+class _Unlinked:
+    """An arena revoked on shared memory: unlinked, mapped by the holders of
+    ``lease_ids`` (revoked leases not yet ended)."""
+
+    model: str
+    size: int
+    unlink_time: float
+    lease_ids: set[str]

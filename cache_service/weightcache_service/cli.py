@@ -157,6 +157,12 @@ def _parser() -> argparse.ArgumentParser:
         help="how long lease holders get after REVOKING (SIGTERM, evict --force); default 30",
     )
     daemon.add_argument(
+        "--hand-over",
+        action="store_true",
+        help="at SIGTERM, leave the arenas and leases to the next daemon on the socket "
+        "(as SIGUSR2 always does) instead of draining",
+    )
+    daemon.add_argument(
         "--max-memory", default=None, help="arena budget: bytes (8GiB, 500M) or percent (80%%)"
     )
     daemon.add_argument(
@@ -326,7 +332,7 @@ def _preload(args: argparse.Namespace) -> int:
     from weightcache_service.budget import MemoryBudget, parse_size
     from weightcache_service.cache import ServiceOptions
     from weightcache_service.server import DaemonConfig, PreloadSpec, model_roots, run_daemon
-    from weightcache_service.socket_lock import SocketInUseError
+    from weightcache_service.socket_lock import SocketInUseError, SocketLostError
 
     configure_logging(args.log_format, args.log_level)
     level = args.fingerprint_level
@@ -382,9 +388,17 @@ def _preload(args: argparse.Namespace) -> int:
             tcp=_tcp(args),
             health_listen=args.health_listen,
             metrics_listen=args.metrics_listen,
+            hand_over=args.hand_over,
         )
         run_daemon(config)
-    except (AccessError, DeviceError, SocketInUseError, WeightCacheError, OSError) as err:
+    except (
+        AccessError,
+        DeviceError,
+        SocketInUseError,
+        SocketLostError,
+        WeightCacheError,
+        OSError,
+    ) as err:
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
     return 0
@@ -525,6 +539,12 @@ def _ls(socket: str, timeout: float, as_json: bool) -> int:
     for m in reply.models:
         if m.error:  # a FAILED model: why, below the table
             print(f"{m.name}: {m.error}")
+    for u in reply.unlinked:
+        # Revoked on shared memory: not held, not free until these workers unmap it.
+        print(
+            f"{u.model}: unlinked, {u.size_bytes} bytes still mapped by "
+            f"{u.lease_count} revoked lease(s)"
+        )
     return 0
 
 
@@ -542,6 +562,7 @@ def _info(socket: str, timeout: float, as_json: bool) -> int:
         "backend",
         "device",
         "memory_held_bytes",
+        "memory_unlinked_bytes",
         "memory_budget_bytes",
         "instance_id",
     ):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from weightcache.core.errors import InvalidArgumentError, ResourceExhaustedError
@@ -42,6 +42,13 @@ class Lease:
         pid: the worker's pid as it reported it.
         session: id of the KeepAlive stream the lease is bound to, once named on one.
         revoke_deadline: clock reading at which a revoked lease's memory is freed.
+        detached: revoked on shared memory: its model was dropped at once and its segment
+            unlinked, which the worker still maps; the lease no longer counts as a
+            holder of any model (:meth:`LeaseTable.for_model`) and lives on, renewed,
+            until released, expired or its stream closes, so that the daemon knows the
+            memory is still mapped.
+        settled: detached, and renewed since: its holder took note of the revoke and
+            keeps its mapping (a drain need not wait for it).
     """
 
     lease_id: str
@@ -52,6 +59,8 @@ class Lease:
     pid: int
     session: int | None = None
     revoke_deadline: float | None = None
+    detached: bool = False
+    settled: bool = False
 
 
 @dataclass
@@ -116,6 +125,23 @@ class LeaseTable:
             self._by_request[request_id] = lease.lease_id
         return lease
 
+    def restore(self, lease_id: str, model: str, ttl: float, request_id: str, pid: int) -> Lease:
+        """Take over a lease a predecessor handed over, under the same id: live for a full
+        TTL from now (its holder renews it once its KeepAlive stream reconnects), bound to
+        no stream yet."""
+        lease = Lease(
+            lease_id, model, self.clamp(ttl), self.clock() + self.clamp(ttl), request_id, pid
+        )
+        self._leases[lease_id] = lease
+        if request_id:
+            self._by_request[request_id] = lease_id
+        return lease
+
+    def live_leases(self) -> list[Lease]:
+        """Every live lease (for a hand-over)."""
+        now = self.clock()
+        return [lease for lease in self._leases.values() if not self._over(lease, now)]
+
     def get(self, lease_id: str) -> Lease | None:
         """The live lease with this id, or ``None`` (also once it has expired)."""
         return self._live(lease_id)
@@ -145,6 +171,7 @@ class LeaseTable:
             return None
         lease.expire_at = self.clock() + lease.ttl
         lease.session = session
+        lease.settled = lease.detached
         return lease
 
     def end_if_expired(self, lease_id: str) -> Lease | None:
@@ -182,13 +209,34 @@ class LeaseTable:
         return expired
 
     def for_model(self, model: str) -> list[Lease]:
-        """Live leases on a model (expired ones not yet reaped are not live)."""
+        """Live leases holding a model (expired and detached ones do not)."""
         now = self.clock()
         return [
             lease
             for lease in self._leases.values()
-            if lease.model == model and not self._over(lease, now)
+            if lease.model == model and not lease.detached and not self._over(lease, now)
         ]
+
+    def detach(self, model: str) -> list[Lease]:
+        """Mark every lease holding ``model`` as revoked and detached (its arena is being
+        unlinked under the workers' mappings); they end as any lease does, with no
+        deadline."""
+        leases = self.for_model(model)
+        for lease in leases:
+            lease.detached = True
+        return leases
+
+    def live(self, lease_ids: Iterable[str]) -> list[str]:
+        """Those of ``lease_ids`` that are still live."""
+        return [lease_id for lease_id in lease_ids if self._live(lease_id) is not None]
+
+    def unsettled(self) -> int:
+        """Live leases that hold a model, or are detached but not renewed since (their
+        holder may not know yet): what a drain waits for."""
+        now = self.clock()
+        return sum(
+            not lease.settled and not self._over(lease, now) for lease in self._leases.values()
+        )
 
     def revoke(self, model: str, deadline: float) -> list[Lease]:
         """Mark every lease on ``model`` as revoking at ``deadline`` (clock seconds)."""

@@ -10,6 +10,8 @@ its own thread, and the cache's tables belong to the loop).
 |---|---|---|---|
 | ``weightcache_models`` | gauge | ``state`` | models by state (loading, ready, failed, evicting) |
 | ``weightcache_memory_held_bytes`` | gauge | | bytes of arenas held |
+| ``weightcache_memory_unlinked_bytes`` | gauge | | bytes of revoked arenas still mapped (2) |
+| ``weightcache_unlinked_arenas`` | gauge | | such arenas |
 | ``weightcache_memory_budget_bytes`` | gauge | | the arena budget (absent when unlimited) |
 | ``weightcache_leases_active`` | gauge | | live leases |
 | ``weightcache_acquires_total`` | counter | ``result``, ``reason`` | Acquire RPCs (1) |
@@ -22,6 +24,8 @@ its own thread, and the cache's tables belong to the loop).
 | ``weightcache_daemon_info`` | gauge | ``version``, ``backend``, ``device_uuid`` | 1 |
 
 (1) ``result`` ``granted`` (``reason`` empty) or ``refused`` (``reason`` the error's).
+(2) Arenas revoked on shared memory: unlinked, but mapped by workers whose revoked leases
+have not ended yet; counted against the budget.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class Snapshot:
     held: int
     budget: int | None
     leases: int
+    unlinked: int = 0
+    unlinked_arenas: int = 0
 
 
 class Metrics(CacheEvents):
@@ -144,11 +150,14 @@ class Metrics(CacheEvents):
             for entry in self._cache.store.entries():
                 states[entry.state] += 1
             budget = self._cache.store.budget
+            unlinked = self._cache.unlinked_arenas()
             return Snapshot(
                 states=states,
                 held=self._cache.store.held_bytes(),
                 budget=budget.limit if budget is not None else None,
                 leases=len(self._cache.leases),
+                unlinked=sum(arena.size_bytes for arena in unlinked),
+                unlinked_arenas=len(unlinked),
             )
 
         future = asyncio.run_coroutine_threadsafe(take(), self._loop)
@@ -173,6 +182,16 @@ class _Gauges(Collector):
         yield models
         yield GaugeMetricFamily(
             "weightcache_memory_held_bytes", "Bytes of arenas held.", value=snap.held
+        )
+        yield GaugeMetricFamily(
+            "weightcache_memory_unlinked_bytes",
+            "Bytes of revoked arenas unlinked but still mapped by workers.",
+            value=snap.unlinked,
+        )
+        yield GaugeMetricFamily(
+            "weightcache_unlinked_arenas",
+            "Revoked arenas unlinked but still mapped by workers.",
+            value=snap.unlinked_arenas,
         )
         if snap.budget is not None:
             yield GaugeMetricFamily(

@@ -34,6 +34,15 @@ _NAME = re.compile(
 )
 
 
+def handover_name(tag: str) -> str:
+    """The file name a segment takes while handed over to the next daemon on the socket of
+    ``tag`` (``weightcache-<tag>-handover-<32 hex>``): it names no owner, so that the
+    clean-up of dead daemons' segments (:func:`dead_segments`, ``weightcache gc``) spares it;
+    the next daemon on that socket adopts it or removes it
+    (:func:`weightcache_service.arena.remove_stale_segments`)."""
+    return f"{tag_prefix(tag)}handover-{secrets.token_hex(16)}"
+
+
 def process_start_time(pid: int) -> int | None:
     """Start time of process ``pid`` in clock ticks after boot, or None when there is no
     such process (field 22 of ``/proc/PID/stat``, proc(5))."""

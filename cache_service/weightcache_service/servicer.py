@@ -33,6 +33,7 @@ from weightcache.core.protocol import (
     recipe_from_pb,
     server_info_pb,
     tensor_views_pb,
+    unlinked_arena_pb,
 )
 from weightcache.core.records import Grant, TensorFormat, TensorView
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -115,7 +116,10 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: Context
     ) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[model_pb(m) for m in self.cache.models()])
+        return pb.ListModelsResponse(
+            models=[model_pb(m) for m in self.cache.models()],
+            unlinked=[unlinked_arena_pb(a) for a in self.cache.unlinked_arenas()],
+        )
 
     @_unary
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
@@ -154,7 +158,9 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         reader = asyncio.create_task(self._read_keepalives(request_iterator, session, outbox))
         try:
             while (statuses := await outbox.get()) is not None:
-                yield keepalive_response_pb(self.cache.instance_id, statuses)
+                yield keepalive_response_pb(
+                    self.cache.instance_id, statuses, hand_over=self.cache.handing_over
+                )
         finally:
             reader.cancel()
             self.cache.close_session(session)

@@ -8,7 +8,9 @@ signal that a service manager, a terminal or an operator may send:
   SIGTERM (README, "Running the daemon"; docs/leases.md, "Drain"); a second one cuts the
   drain short. SIGXCPU is the kernel's warning that the soft CPU limit is spent, before
   the SIGKILL at the hard one: the time left goes to a clean exit.
-- :data:`IGNORED` (SIGHUP, SIGUSR1, SIGUSR2, SIGALRM, SIGVTALRM, SIGPROF, SIGIO, SIGPWR,
+- :data:`HAND_OVER` (SIGUSR2): stop and leave the arenas and leases to the next daemon
+  (hand-over, README "Restarts and upgrades"); SIGTERM does so too under ``--hand-over``.
+- :data:`IGNORED` (SIGHUP, SIGUSR1, SIGALRM, SIGVTALRM, SIGPROF, SIGIO, SIGPWR,
   SIGSTKFLT and the real-time signals): logged and ignored. The daemon has no
   configuration to reload, so SIGHUP (a closed terminal, ``systemctl reload``, systemd's
   ``SendSIGHUP=`` right after SIGTERM) must neither kill it nor cut its drain short.
@@ -36,11 +38,12 @@ STOP: tuple[signal.Signals, ...] = (
     signal.SIGQUIT,
     signal.SIGXCPU,
 )
+#: Stop with a hand-over of the arenas to the next daemon.
+HAND_OVER: tuple[signal.Signals, ...] = (signal.SIGUSR2,)
 #: Logged and ignored.
 IGNORED: tuple[int, ...] = (
     signal.SIGHUP,
     signal.SIGUSR1,
-    signal.SIGUSR2,
     signal.SIGALRM,
     signal.SIGVTALRM,
     signal.SIGPROF,
@@ -66,18 +69,29 @@ def ignore_early() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def install(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> None:
-    """Handle every signal of :data:`STOP` with ``stop`` and log those of :data:`IGNORED`,
-    on ``loop`` (its handlers run on the loop, between callbacks)."""
+def install(
+    loop: asyncio.AbstractEventLoop,
+    stop: Callable[[int], None],
+    hand_over: Callable[[], None],
+) -> None:
+    """Handle every signal of :data:`STOP` with ``stop(signum)``, those of
+    :data:`HAND_OVER` with ``hand_over()``, and log those of :data:`IGNORED`, on ``loop``
+    (its handlers run on the loop, between callbacks)."""
 
     def stopping(signum: int) -> None:
         log.info("signal", signal=name(signum), action="drain and stop")
-        stop()
+        stop(signum)
+
+    def handing_over(signum: int) -> None:
+        log.info("signal", signal=name(signum), action="hand over and stop")
+        hand_over()
 
     def ignored(signum: int) -> None:
         log.warning("signal ignored", signal=name(signum), hint="SIGTERM stops the daemon")
 
     for stop_signal in STOP:
         loop.add_signal_handler(stop_signal, stopping, stop_signal)
+    for hand_over_signal in HAND_OVER:
+        loop.add_signal_handler(hand_over_signal, handing_over, hand_over_signal)
     for signum in IGNORED:
         loop.add_signal_handler(signum, ignored, signum)

@@ -38,7 +38,7 @@ from weightcache.core.fingerprint import REQUEST_COMPONENTS, Fingerprint, comput
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.core.records import LoadProgress, ModelInfo, ModelState, StorageHandle, TensorView
-from weightcache_service.arena import Arena, Slot, plan_slots, tail
+from weightcache_service.arena import Arena, SharedMemoryArena, Slot, plan_slots, tail
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.hashing import ShardHashes
 
@@ -157,6 +157,8 @@ class Store:
         placement: Placement,
         pipeline: Pipeline,
         fp: Fingerprint,
+        *,
+        unlinked: int = 0,
     ) -> Entry:
         """Register a model in state LOADING and size its arena from the planned specs.
 
@@ -169,6 +171,8 @@ class Store:
             fp: the fingerprint, or at level ``full`` a pending one
                 (:func:`~weightcache.core.fingerprint.pending_fingerprint`): the load then
                 hashes the shards and completes it.
+            unlinked: bytes of revoked arenas workers still map, counted against the
+                budget (:meth:`MemoryBudget.check`).
 
         Raises:
             ModelExistsError: a model with the same fingerprint is already held, or one
@@ -189,14 +193,11 @@ class Store:
                 )
         name = self._unique_name(checkpoint, recipe, placement)
         entry = Entry(name, checkpoint, recipe, placement, pipeline, fp)
-        entry.slots, entry.size = plan_slots(
-            (name, node.spec.dtype, node.spec.shape) for name, node in pipeline.nodes.items()
-        )
-        entry.data_bytes = sum(slot.nbytes for slot in entry.slots)
+        _plan(entry)
         if self.budget is not None:
             try:
                 held, pending = self.held_bytes(), self.pending_bytes()
-                self.budget.check(entry.name, entry.size, held, pending)
+                self.budget.check(entry.name, entry.size, held, pending, unlinked)
             except ResourceExhaustedError as err:
                 if fp.pending:
                     raise  # not kept: the caller hashes it and adds it again
@@ -205,6 +206,55 @@ class Store:
                 self._entries[entry.name] = entry
                 raise
         self._entries[entry.name] = entry
+        return entry
+
+    def adopt(  # noqa: PLR0917 (each argument is one part of the entry)
+        self,
+        name: str,
+        checkpoint: Checkpoint,
+        recipe: Recipe,
+        placement: Placement,
+        pipeline: Pipeline,
+        fp: Fingerprint,
+        arena_of: Callable[[int], Arena],
+        load_seconds: float,
+    ) -> Entry:
+        """Register as READY a model whose arena a predecessor handed over
+        (:mod:`weightcache_service.handover`): its layout is planned from the checkpoint's
+        headers, as a load plans it, and ``arena_of(size)`` adopts the segment, which must
+        be of that size. Named ``name`` if free. No budget check: the memory is held already.
+
+        Raises:
+            ValueError: the planned size is not the segment's (``arena_of`` raises it, or
+                anything it raises).
+        """
+        if name in self._entries:
+            name = self._unique_name(checkpoint, recipe, placement)
+        entry = Entry(name, checkpoint, recipe, placement, pipeline, fp)
+        _plan(entry)
+        entry.arena = arena_of(entry.size)
+        entry.views = tuple(slot.view() for slot in entry.slots)
+        entry.handle = entry.arena.handle()
+        entry.bytes_done, entry.tensors_done = entry.data_bytes, len(entry.slots)
+        entry.load_seconds = load_seconds
+        entry.state = "ready"
+        entry.finished.set()
+        self._entries[name] = entry
+        return entry
+
+    def detach(self, name: str) -> Entry:
+        """Drop a model, leaving its segment in place for a successor (hand-over): the
+        daemon's mapping is closed, the segment is not unlinked.
+
+        Raises:
+            ModelNotFoundError: no such model.
+        """
+        entry = self.get(name)
+        del self._entries[name]
+        entry.handle = None
+        if isinstance(entry.arena, SharedMemoryArena):
+            entry.arena.close(unlink=False)
+        entry.arena = None
         return entry
 
     def _unique_name(self, checkpoint: Checkpoint, recipe: Recipe, placement: Placement) -> str:
@@ -452,6 +502,15 @@ ECHO_CHARS = 200
 def clip(text: str) -> str:
     """``text`` cut to :data:`ECHO_CHARS` characters for an error message."""
     return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "…"
+
+
+def _plan(entry: Entry) -> None:
+    """Lay out ``entry``'s tensors in its arena (slots, size, data bytes), from its
+    pipeline's specs."""
+    entry.slots, entry.size = plan_slots(
+        (name, node.spec.dtype, node.spec.shape) for name, node in entry.pipeline.nodes.items()
+    )
+    entry.data_bytes = sum(slot.nbytes for slot in entry.slots)
 
 
 def _fail(entry: Entry, error: WeightCacheError) -> None:

@@ -235,12 +235,13 @@ class LoadedWeights:
 
 
 def end_lease(socket: str, lease: ClientLease) -> None:
-    """Stop renewing a lease and release it, unless it was lost or revoked (then the
-    daemon has ended it)."""
+    """Stop renewing a lease and release it, unless it was lost or revoked and copied
+    (then the daemon has ended it). A revoked lease kept (``on_revoke="keep"``) is
+    released: the daemon counts its unlinked arena as mapped until then."""
     session = live_session(socket)
     if session is not None:
         session.remove(lease.lease_id)
-    if lease.lost is None and not lease.revoked:
+    if lease.lost is None and (lease.kept or not lease.revoked):
         release(socket, lease.lease_id)
 
 

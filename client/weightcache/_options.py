@@ -69,8 +69,12 @@ class LoadOptions:
             CUDA zero-copy. See :mod:`weightcache._lease`.
         on_lease_lost: called with the :class:`LeaseLostError` when the lease is lost;
             default None.
-        on_revoke: ``"copy"`` (default), ``"raise"`` or ``"exit"``: what to do when the
-            daemon revokes the lease (forced evict, drain).
+        on_revoke: ``"keep"`` (default), ``"copy"``, ``"raise"`` or ``"exit"``: what to do
+            when the daemon revokes the lease (forced evict, drain). ``"keep"``: on shared
+            memory keep the mapping, with no copy (the daemon has unlinked the segment; its
+            bytes stay, unchanged, until ``close()``), and on a GPU copy, as ``"copy"``,
+            which copies the arena into this process's own memory everywhere. See
+            :mod:`weightcache._lease`.
         trusted_uid: a uid besides this user and root whose daemon socket is trusted;
             default None: ``$WEIGHTCACHE_TRUSTED_UID``. See :mod:`weightcache._trust`.
 
@@ -96,7 +100,7 @@ class LoadOptions:
     wait_timeout: float = 30.0
     lease_policy: Policy | None = None
     on_lease_lost: LostCallback | None = None
-    on_revoke: RevokePolicy = "copy"
+    on_revoke: RevokePolicy = "keep"
     trusted_uid: int | None = None
 
     def __post_init__(self) -> None:

@@ -50,6 +50,7 @@ from weightcache.core.records import (
     StorageHandle,
     TensorFormat,
     TensorView,
+    UnlinkedArena,
     ViewColumns,
 )
 from weightcache.core.tp import TPPlan, over_bounds
@@ -422,11 +423,14 @@ def lease_status_from_pb(message: pb.LeaseStatus) -> LeaseStatus:
 
 
 def keepalive_response_pb(
-    instance_id: str, statuses: Iterable[LeaseStatus]
+    instance_id: str, statuses: Iterable[LeaseStatus], *, hand_over: bool = False
 ) -> pb.KeepAliveResponse:
-    """A KeepAlive answer of daemon ``instance_id`` about some leases."""
+    """A KeepAlive answer of daemon ``instance_id`` about some leases (``hand_over``: the
+    daemon stops to hand its leases over to its successor)."""
     return pb.KeepAliveResponse(
-        instance_id=instance_id, leases=[lease_status_pb(s) for s in statuses]
+        instance_id=instance_id,
+        leases=[lease_status_pb(s) for s in statuses],
+        hand_over=hand_over,
     )
 
 
@@ -728,6 +732,7 @@ def server_info_pb(info: ServerInfo) -> pb.GetServerInfoResponse:
         memory_budget_bytes=info.memory_budget_bytes,
         instance_id=info.instance_id,
         start_time=timestamp_pb(info.start_time),
+        memory_unlinked_bytes=info.memory_unlinked_bytes,
     )
 
 
@@ -744,6 +749,27 @@ def server_info_from_pb(message: pb.GetServerInfoResponse) -> ServerInfo:
         memory_budget_bytes=message.memory_budget_bytes,
         instance_id=message.instance_id,
         start_time=timestamp_from_pb(message.start_time),
+        memory_unlinked_bytes=message.memory_unlinked_bytes,
+    )
+
+
+def unlinked_arena_pb(arena: UnlinkedArena) -> pb.UnlinkedArena:
+    """An unlinked, still mapped arena as its wire message (in ListModels)."""
+    return pb.UnlinkedArena(
+        model=arena.model,
+        size_bytes=arena.size_bytes,
+        lease_count=arena.lease_count,
+        unlink_time=timestamp_pb(arena.unlink_time),
+    )
+
+
+def unlinked_arena_from_pb(message: pb.UnlinkedArena) -> UnlinkedArena:
+    """A wire unlinked arena as an :class:`UnlinkedArena`."""
+    return UnlinkedArena(
+        model=message.model,
+        size_bytes=message.size_bytes,
+        lease_count=message.lease_count,
+        unlink_time=timestamp_from_pb(message.unlink_time),
     )
 
 

@@ -253,3 +253,21 @@ class ServerInfo:
     memory_budget_bytes: int
     instance_id: str
     start_time: float
+    memory_unlinked_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class UnlinkedArena:
+    """A revoked model's arena that the daemon unlinked and workers still map.
+
+    Attributes:
+        model: the name the model had.
+        size_bytes: the arena's size, in bytes.
+        lease_count: revoked leases on it not yet ended (how the daemon knows it is mapped).
+        unlink_time: when the daemon unlinked it, in epoch seconds.
+    """
+
+    model: str
+    size_bytes: int
+    lease_count: int
+    unlink_time: float

@@ -333,10 +333,24 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "unlinked")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    UNLINKED_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[Model]
-    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+    unlinked: _containers.RepeatedCompositeFieldContainer[UnlinkedArena]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ..., unlinked: _Optional[_Iterable[_Union[UnlinkedArena, _Mapping]]] = ...) -> None: ...
+
+class UnlinkedArena(_message.Message):
+    __slots__ = ("model", "size_bytes", "lease_count", "unlink_time")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    UNLINK_TIME_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    size_bytes: int
+    lease_count: int
+    unlink_time: _timestamp_pb2.Timestamp
+    def __init__(self, model: _Optional[str] = ..., size_bytes: _Optional[int] = ..., lease_count: _Optional[int] = ..., unlink_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid", "files", "tensor_format")
@@ -409,12 +423,14 @@ class LeaseStatus(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoke_deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("instance_id", "leases")
+    __slots__ = ("instance_id", "leases", "hand_over")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    HAND_OVER_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
-    def __init__(self, instance_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ...) -> None: ...
+    hand_over: bool
+    def __init__(self, instance_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., hand_over: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -445,7 +461,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "protocol_version", "torch_version", "backend", "device", "device_uuid", "memory_held_bytes", "memory_budget_bytes", "instance_id", "start_time")
+    __slots__ = ("version", "protocol_version", "torch_version", "backend", "device", "device_uuid", "memory_held_bytes", "memory_budget_bytes", "instance_id", "start_time", "memory_unlinked_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +472,7 @@ class GetServerInfoResponse(_message.Message):
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_UNLINKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: str
     torch_version: str
@@ -466,4 +483,5 @@ class GetServerInfoResponse(_message.Message):
     memory_budget_bytes: int
     instance_id: str
     start_time: _timestamp_pb2.Timestamp
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., memory_held_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    memory_unlinked_bytes: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., memory_held_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., memory_unlinked_bytes: _Optional[int] = ...) -> None: ...
