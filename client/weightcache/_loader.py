@@ -37,6 +37,7 @@ from typing import ClassVar, Literal, Union, Unpack
 import torch
 
 from weightcache import _sharing
+from weightcache._disk import read_tensors
 from weightcache._handles import MappedArena, open_cuda_ipc, open_shared_memory
 from weightcache._lease import (
     ClientLease,
@@ -71,7 +72,6 @@ from weightcache.core.fingerprint import (
     compute_fingerprint,
     request_components,
 )
-from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.protocol import (
     acquire_request_pb,
     fingerprint_from_pb,
@@ -353,7 +353,7 @@ def _load_checkpoint(
     log.warning(
         "loading from disk", reason=reason.code, detail=reason.detail, path=str(checkpoint.root)
     )
-    return _from_disk(checkpoint, pipeline, fp, reason)
+    return _from_disk(checkpoint, pipeline, fp, reason, opts.mode)
 
 
 #: Answers to an Acquire by file identity that the whole fingerprint may change: the
@@ -420,28 +420,48 @@ def load_from_disk(
     fingerprint_level: Level = DEFAULT_LEVEL,
     tp_rank: int = 0,
     tp_size: int = 1,
+    mode: Mode = "zero_copy",
 ) -> LoadedWeights:
     """Load a checkpoint from disk with the recipe ``load()`` would apply; no daemon.
 
+    The same headers are validated, the same fingerprint computed and the same recipe
+    applied as by :func:`load`, whose disk fallback this is (:mod:`weightcache._disk`).
+
+    Args:
+        model_dir: checkpoint folder (``model.safetensors`` or a sharded index), or one
+            ``.safetensors`` file.
+        dtype, recipe, fingerprint_level, tp_rank, tp_size: as :class:`LoadOptions`.
+        mode: ``"zero_copy"`` (default): the shard files are mapped private and
+            copy-on-write, as ``safetensors.torch.load_file`` maps them, and each tensor
+            the recipe leaves as stored is a view of them (read when used; a shard
+            rewritten in place or truncated *after* the load changes those pages or
+            makes reading them fail with ``SIGBUS``, as with ``load_file``). ``"copy"``:
+            every tensor is read into private memory.
+
+    Returns:
+        The weights, ``source == "disk"``: CPU tensors, by name in checkpoint order.
+
     Raises:
-        ValueError: ``recipe`` and ``dtype`` are both given, or ``fingerprint_level`` is
-            unknown (the checks of :class:`LoadOptions`).
+        ValueError: ``recipe`` and ``dtype`` are both given, or ``fingerprint_level`` or
+            ``mode`` is unknown (the checks of :class:`LoadOptions`).
         InvalidCheckpointError: the checkpoint is malformed, or a shard changed (dev,
-            inode, size, mtime or ctime) while it was being read.
+            inode, size, mtime or ctime; a truncation included) while it was being
+            loaded.
         RecipeError: the dtype or placement is invalid.
     """
     options = LoadOptions(
         dtype=dtype,
         recipe=recipe,
+        mode=mode,
         fingerprint_level=fingerprint_level,
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
-    with open_checkpoint(model_dir) as checkpoint:
+    with _gc_paused(), open_checkpoint(model_dir) as checkpoint:
         placement = Placement(tp_rank, tp_size)
         pipeline = _recipe_of(options).build(checkpoint, placement)
         fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
-        return _from_disk(checkpoint, pipeline, fp, None)
+        return _from_disk(checkpoint, pipeline, fp, None, mode)
 
 
 def _recipe_of(options: LoadOptions) -> Recipe:
@@ -450,12 +470,13 @@ def _recipe_of(options: LoadOptions) -> Recipe:
 
 
 def _from_disk(
-    checkpoint: Checkpoint, pipeline: Pipeline, fp: Fingerprint, reason: FallbackReason | None
+    checkpoint: Checkpoint,
+    pipeline: Pipeline,
+    fp: Fingerprint,
+    reason: FallbackReason | None,
+    mode: Mode,
 ) -> LoadedWeights:
-    with CheckpointReader(checkpoint) as reader:
-        tensors = {name: materialize(node, reader) for name, node in pipeline.nodes.items()}
-    # The fingerprint was computed from these files before they were read here.
-    checkpoint.check_unchanged()
+    tensors = read_tensors(checkpoint, pipeline.nodes, copy=mode == "copy")
     return LoadedWeights(
         tensors, source="disk", fingerprint=fp, checkpoint=checkpoint, fallback_reason=reason
     )

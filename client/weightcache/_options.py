@@ -49,7 +49,9 @@ class LoadOptions:
         recipe: the full recipe (dtype, tensor-parallel plan, plugins); None (default)
             means ``Recipe(dtype=dtype)``. Not together with ``dtype``.
         mode: ``"zero_copy"`` (default) maps the daemon's arena and holds a lease;
-            ``"copy"`` copies into private memory and releases at once.
+            ``"copy"`` copies into private memory and releases at once. On a disk
+            fallback, ``"zero_copy"`` maps the shard files copy-on-write and ``"copy"``
+            reads them into private memory (:func:`weightcache.load_from_disk`).
         fallback: True (default): load from disk, with the reason recorded, when the
             daemon cannot serve. False: wait up to ``wait_timeout`` for a daemon or a
             loading model, then raise.

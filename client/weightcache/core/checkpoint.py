@@ -465,11 +465,14 @@ class _DuplicateKeyError(ValueError):
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     # json keeps the last of duplicate keys silently; safetensors (serde) refuses them.
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKeyError(key)
-        out[key] = value
+    # dict() in C, once per JSON object; the loop only to name a duplicate.
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKeyError(key)
+            seen.add(key)
     return out
 
 
@@ -606,25 +609,62 @@ def _check_text(shard: str, what: str, text: str) -> None:
         raise InvalidCheckpointError(f"{shard}: {what} is not valid Unicode") from None
 
 
+#: safetensors dtype name -> bytes per element, for the header's byte-size check.
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
+
+
 def _tensor_info(shard: str, key: str, entry: object, data_start: int) -> TensorInfo:
+    """One header entry, checked. Called once per tensor: the checks are written out
+    (no generator, no message built) for the common case of a valid entry, and only a
+    failing entry goes on to :func:`_entry_error` for its message."""
     _check_text(shard, "a tensor name", key)
+    if not isinstance(entry, dict):
+        raise _entry_error(shard, key, entry)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or type(shape) is not list or len(shape) > MAX_RANK:
+        raise _entry_error(shard, key, entry)
+    item = _ITEMSIZE.get(dtype)
+    if item is None:
+        raise _entry_error(shard, key, entry)
+    nonzero, empty = 1, False
+    for size in shape:
+        # type() is int: json makes no int subclass, and bool (a subclass) is refused.
+        if type(size) is not int or not 0 <= size <= MAX_DIM:
+            raise _entry_error(shard, key, entry)
+        if size:
+            nonzero *= size
+        else:
+            empty = True
+    if nonzero > MAX_ELEMENTS or type(offsets) is not list or len(offsets) != 2:
+        raise _entry_error(shard, key, entry)
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+        raise _entry_error(shard, key, entry)
+    if end - begin != (0 if empty else nonzero * item):
+        raise _entry_error(shard, key, entry)
+    return TensorInfo(key, dtype, tuple(shape), shard, data_start + begin, end - begin)
+
+
+def _entry_error(shard: str, key: str, entry: object) -> InvalidCheckpointError:
+    """What is wrong with a header entry :func:`_tensor_info` refused, checked in the
+    order the messages are documented."""
     where = f"{shard}: tensor {key!r}"
     if not isinstance(entry, dict):
-        raise InvalidCheckpointError(f"{where}: entry is not an object")
+        return InvalidCheckpointError(f"{where}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if isinstance(dtype, str) and dtype in SUB_BYTE:
-        raise InvalidCheckpointError(
+        return InvalidCheckpointError(
             f"{where}: dtype {dtype} packs elements below a byte; weightcache does not support it"
         )
     if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
-        raise InvalidCheckpointError(f"{where}: unknown dtype {dtype!r}")
+        return InvalidCheckpointError(f"{where}: unknown dtype {dtype!r}")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_RANK
         or not all(_is_uint(d) and d <= MAX_DIM for d in shape)
         or math.prod(d for d in shape if d) > MAX_ELEMENTS
     ):
-        raise InvalidCheckpointError(
+        return InvalidCheckpointError(
             f"{where}: shape {shape!r} is not a list of at most {MAX_RANK} sizes up to {MAX_DIM}"
         )
     if (
@@ -633,14 +673,12 @@ def _tensor_info(shard: str, key: str, entry: object, data_start: int) -> Tensor
         or not all(_is_uint(o) for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise InvalidCheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end]")
+        return InvalidCheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end]")
     nbytes = offsets[1] - offsets[0]
     expected = math.prod(shape) * itemsize(dtype)
-    if nbytes != expected:
-        raise InvalidCheckpointError(
-            f"{where}: {nbytes} bytes of data but shape {shape} of {dtype} needs {expected}"
-        )
-    return TensorInfo(key, dtype, tuple(shape), shard, data_start + offsets[0], nbytes)
+    return InvalidCheckpointError(
+        f"{where}: {nbytes} bytes of data but shape {shape} of {dtype} needs {expected}"
+    )
 
 
 def _is_uint(value: object) -> bool:
