@@ -24,7 +24,7 @@ from tests.support import (
 from weightcache.core.version import __version__
 from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache_service.cli import _progress
+from weightcache_service.admin import progress as _progress
 
 REPO_ID = "acme/tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -129,12 +129,18 @@ def test_unknown_repo_id_is_refused_and_keeps_the_daemon_unready(
 
     ready = run_cli("health", "--socket", daemon.socket)
 
-    assert (ready.returncode, ready.stdout) == (1, "NOT_SERVING\n")
-    assert list_models(daemon.socket) == []
-    assert (
+    why = (
         "acme/absent: no such file or folder, nor a Hub repo with revision main in the local "
         "Hub cache (download it first, e.g. `hf download`)"
-    ) in daemon.log()
+    )
+    [model] = list_models(daemon.socket)
+    assert (model.name, model.path, model.state) == (
+        "absent",
+        "acme/absent",
+        pb.MODEL_STATE_FAILED,
+    )
+    assert (ready.returncode, ready.stdout) == (1, f"NOT_SERVING\nabsent FAILED: {model.error}\n")
+    assert why in daemon.log()
 
 
 def test_ls_progress_column() -> None:

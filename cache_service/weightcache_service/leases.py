@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from weightcache.core.errors import InvalidArgumentError, ResourceExhaustedError
+from weightcache.core.records import WorkerDescription
 
 Clock = Callable[[], float]
 
@@ -42,6 +43,8 @@ class Lease:
         pid: the worker's pid as it reported it.
         session: id of the KeepAlive stream the lease is bound to, once named on one.
         revoke_deadline: clock reading at which a revoked lease's memory is freed.
+        granted_at: clock reading at which it was granted.
+        worker: the worker's description of itself (for operators: ListLeases).
     """
 
     lease_id: str
@@ -52,6 +55,8 @@ class Lease:
     pid: int
     session: int | None = None
     revoke_deadline: float | None = None
+    granted_at: float = 0.0
+    worker: WorkerDescription = field(default_factory=WorkerDescription)
 
 
 @dataclass
@@ -81,8 +86,16 @@ class LeaseTable:
             return self.default_ttl
         return min(max(ttl, self.min_ttl), self.max_ttl)
 
-    def grant(self, model: str, ttl: float | None, request_id: str, pid: int) -> Lease:
+    def grant(
+        self,
+        model: str,
+        ttl: float | None,
+        request_id: str,
+        pid: int,
+        worker: WorkerDescription | None = None,
+    ) -> Lease:
         """Grant a lease, or return the live one an earlier call with ``request_id`` granted.
+        ``worker`` is kept on the lease as the worker described itself.
 
         Raises:
             InvalidArgumentError: ``request_id`` already holds a lease on another model.
@@ -103,13 +116,16 @@ class LeaseTable:
                 f"pid {pid} holds {self.max_leases_per_pid} leases already; release some"
             )
         granted = self.clamp(ttl)
+        now = self.clock()
         lease = Lease(
             lease_id=secrets.token_hex(16),
             model=model,
             ttl=granted,
-            expire_at=self.clock() + granted,
+            expire_at=now + granted,
             request_id=request_id,
             pid=pid,
+            granted_at=now,
+            worker=worker or WorkerDescription(pid=pid),
         )
         self._leases[lease.lease_id] = lease
         if request_id:
@@ -180,6 +196,12 @@ class LeaseTable:
         for lease in expired:
             self.release(lease.lease_id)
         return expired
+
+    def live(self) -> list[Lease]:
+        """Every live lease, oldest first."""
+        now = self.clock()
+        live = [lease for lease in self._leases.values() if not self._over(lease, now)]
+        return sorted(live, key=lambda lease: lease.granted_at)
 
     def for_model(self, model: str) -> list[Lease]:
         """Live leases on a model (expired ones not yet reaped are not live)."""

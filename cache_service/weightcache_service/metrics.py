@@ -14,7 +14,7 @@ its own thread, and the cache's tables belong to the loop).
 | ``weightcache_leases_active`` | gauge | | live leases |
 | ``weightcache_acquires_total`` | counter | ``result``, ``reason`` | Acquire RPCs (1) |
 | ``weightcache_acquire_duration_seconds`` | histogram | | Acquire latency in the daemon |
-| ``weightcache_preloads_total`` | counter | ``result`` | loads ended, ``ready`` or ``failed`` |
+| ``weightcache_preloads_total`` | counter | ``result``, ``reason`` | preloads (2) |
 | ``weightcache_preload_bytes_total`` | counter | | bytes of models loaded READY |
 | ``weightcache_preload_seconds_total`` | counter | | seconds spent loading them |
 | ``weightcache_lease_expiries_total`` | counter | | leases ended by their TTL |
@@ -22,6 +22,9 @@ its own thread, and the cache's tables belong to the loop).
 | ``weightcache_daemon_info`` | gauge | ``version``, ``backend``, ``device_uuid`` | 1 |
 
 (1) ``result`` ``granted`` (``reason`` empty) or ``refused`` (``reason`` the error's).
+(2) ``result``: loads ended ``ready`` or ``failed``, or ``refused``: a start-up model or
+a Preload RPC refused before its load began (missing or malformed checkpoint, recipe,
+memory budget); ``reason`` the error's (empty for ``ready``).
 """
 
 from __future__ import annotations
@@ -86,7 +89,10 @@ class Metrics(CacheEvents):
             registry=self.registry,
         )
         self.preloads = Counter(
-            "weightcache_preloads", "Loads ended, by result.", ["result"], registry=self.registry
+            "weightcache_preloads",
+            "Preloads by result (ready, failed, refused before loading) and reason.",
+            ["result", "reason"],
+            registry=self.registry,
         )
         self.preload_bytes = Counter(
             "weightcache_preload_bytes", "Bytes of models loaded READY.", registry=self.registry
@@ -117,10 +123,15 @@ class Metrics(CacheEvents):
     def loaded(self, entry: Entry) -> None:
         """Count a load that ended, READY or not."""
         ready = entry.state == "ready"
-        self.preloads.labels("ready" if ready else "failed").inc()
+        reason = "" if ready or entry.failure is None else entry.failure.reason
+        self.preloads.labels("ready" if ready else "failed", reason).inc()
         if ready:
             self.preload_bytes.inc(entry.size)
             self.preload_seconds.inc(entry.load_seconds)
+
+    def preload_refused(self, reason: str) -> None:
+        """Count a preload refused before its load began."""
+        self.preloads.labels("refused", reason).inc()
 
     def lease_expired(self) -> None:
         """Count a lease ended by its TTL."""
@@ -143,6 +154,7 @@ class Metrics(CacheEvents):
             states = dict.fromkeys(get_args(ModelState), 0)
             for entry in self._cache.store.entries():
                 states[entry.state] += 1
+            states["failed"] += len(self._cache.store.refusals)
             budget = self._cache.store.budget
             return Snapshot(
                 states=states,

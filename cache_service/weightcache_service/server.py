@@ -249,7 +249,9 @@ class Daemon:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_WeightCacheServiceServicer_to_server(WeightCacheServicer(self.cache), server)
+        pb_grpc.add_WeightCacheServiceServicer_to_server(
+            WeightCacheServicer(self.cache, socket), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection(
             (
@@ -350,7 +352,6 @@ class Daemon:
         cfg = self.config
         tasks = []
         required: list[Entry] = []
-        refused = 0
         for spec in cfg.preload:
             try:
                 entry, task = await self.cache.begin_load(
@@ -369,14 +370,18 @@ class Daemon:
                     self.health.refused()
                 # A model refused for lack of memory stays listed (FAILED): counted below.
                 if not isinstance(err, ResourceExhaustedError):
-                    refused += 1
+                    self.cache.refuse(
+                        spec.path, spec.recipe, spec.placement, spec.fingerprint_level, err
+                    )
                 log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
             except Exception as err:
                 # Never let one model stop the others or leave health NOT_SERVING forever.
-                refused += 1
                 if spec.required:
                     self.health.refused()
                 log.exception("cannot preload", path=spec.path, error=repr(err))
+                self.cache.refuse(
+                    spec.path, spec.recipe, spec.placement, spec.fingerprint_level, err
+                )
         self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         for entry in required:
@@ -387,7 +392,7 @@ class Daemon:
         await self.health.started()
         entries = self.store.entries()
         ready = [e for e in entries if e.state == "ready"]
-        failed = refused + len(entries) - len(ready)
+        failed = len(self.store.refusals) + len(entries) - len(ready)
         (log.error if failed else log.info)(
             "ready",
             socket=cfg.socket,

@@ -74,9 +74,9 @@ def call(fn: Callable[[], T]) -> T:
 
 
 def _error(exc: grpc.RpcError) -> WeightCacheError:
-    # Imported on a refusal only: the conversions import torch, and the admin commands
-    # (`weightcache health`, the probes) must start without it.
-    from weightcache.core.protocol import from_rpc_error
+    # Imported on a refusal only (google.rpc's messages): torch-free, as the admin commands
+    # (`weightcache evict`, `health`, the probes) must start without it.
+    from weightcache.core.status import from_rpc_error
 
     return from_rpc_error(exc)
 

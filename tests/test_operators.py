@@ -1,0 +1,235 @@
+"""What an operator sees of a real daemon's decisions (issue 28): start-up models that
+failed before they held anything stay listed with their reason (``ls``, ``health``,
+metrics); refusals are logged, structured and rate-limited; who holds each lease
+(``weightcache leases``, with the credentials the kernel gives the daemon)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket as socketlib
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.support import (
+    Checkpoints,
+    DaemonPool,
+    WorkerPool,
+    assert_attached,
+    rpc_failure,
+    run_cli,
+    service_stub,
+    write_malformed,
+)
+from tests.test_probes import free_port, scrape
+from weightcache.testing.daemon import list_models
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.refusals import RefusalLog
+
+#: The header of ``weightcache leases``, split at blanks.
+HEADER = ["LEASE", "MODEL", "STATE", "MODE", "AGE", "TTL", "UID", "PID", "WORKER", "PID", "HOST"]
+HEADER += ["LABEL"]
+
+
+def log_events(text: str, event: str) -> list[dict[str, Any]]:
+    """The JSON log lines (``--log-format json``) of ``event``."""
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("event") == event]
+
+
+# -- 1. failed start-up models stay listed -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def failed_start(
+    module_daemons: DaemonPool, checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, int, dict[str, str]]:
+    """A daemon started with a typo'd path, a truncated checkpoint and a good one."""
+    root = tmp_path_factory.mktemp("failed-start")
+    broken = write_malformed(root / "broken", "bad-header-length")
+    missing = root / "mising-model"
+    port = free_port()
+    daemon = module_daemons.start(
+        [missing, broken, checkpoints.single],
+        args=["--metrics-listen", f"127.0.0.1:{port}", "--log-format", "json"],
+    )
+    return daemon, port, {"missing": str(missing), "broken": str(broken)}
+
+
+def test_failed_start_up_models_are_listed_with_their_reason(
+    failed_start: tuple[Any, int, dict[str, str]],
+) -> None:
+    daemon, _, paths = failed_start
+
+    models = {m.name: m for m in list_models(daemon.socket)}
+    ls = run_cli("ls", "--json", "--socket", daemon.socket)
+
+    assert {name: pb.ModelState.Name(m.state) for name, m in models.items()} == {
+        "broken": "MODEL_STATE_FAILED",
+        "mising-model": "MODEL_STATE_FAILED",
+        "single": "MODEL_STATE_READY",
+    }
+    assert models["mising-model"].path == paths["missing"]
+    assert models["mising-model"].error.startswith("INVALID_CHECKPOINT: ")
+    assert paths["missing"] in models["mising-model"].error
+    assert models["broken"].error.startswith("INVALID_CHECKPOINT: ")
+    assert "runs past the end" in models["broken"].error
+    assert (models["broken"].size_bytes, models["broken"].fingerprint.digest) == (0, "")
+    assert ls.returncode == 0
+    listed = {m["name"]: m for m in json.loads(ls.stdout)["models"]}
+    assert listed["broken"]["error"] == models["broken"].error
+    [ready] = log_events(daemon.log(), "ready")
+    assert (ready["models"], ready["failed"]) == (1, 2)
+
+
+def test_health_prints_why_it_is_not_ready(failed_start: tuple[Any, int, dict[str, str]]) -> None:
+    daemon, _, _ = failed_start
+    models = {m.name: m for m in list_models(daemon.socket)}
+
+    result = run_cli("health", "--socket", daemon.socket)
+    liveness = run_cli("health", "--liveness", "--socket", daemon.socket)
+
+    assert (result.returncode, result.stderr) == (1, "")
+    assert result.stdout == (
+        "NOT_SERVING\n"
+        f"broken FAILED: {models['broken'].error}\n"
+        f"mising-model FAILED: {models['mising-model'].error}\n"
+    )
+    assert (liveness.returncode, liveness.stdout) == (0, "SERVING\n")
+
+
+def test_metrics_count_the_failed_start_up_models(
+    failed_start: tuple[Any, int, dict[str, str]],
+) -> None:
+    _, port, _ = failed_start
+
+    samples = scrape(port)
+
+    assert samples["weightcache_models", (("state", "failed"),)] == 2
+    assert samples["weightcache_models", (("state", "ready"),)] == 1
+    refused = (("reason", "INVALID_CHECKPOINT"), ("result", "refused"))
+    assert samples["weightcache_preloads_total", refused] == 2
+    assert samples["weightcache_preloads_total", (("reason", ""), ("result", "ready"))] == 1
+
+
+def test_a_failed_start_up_model_is_evicted_like_any_failed_model(
+    daemons: DaemonPool, tmp_path: Path
+) -> None:
+    daemon = daemons.start([tmp_path / "absent"])
+
+    evicted = run_cli("evict", "absent", "--socket", daemon.socket)
+
+    assert (evicted.returncode, evicted.stdout, evicted.stderr) == (0, "evicted absent\n", "")
+    assert list_models(daemon.socket) == []
+
+
+# -- 2. refusals are logged --------------------------------------------------------------
+
+
+def test_refusals_are_logged_structured_and_rate_limited(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single], args=["--log-format", "json"])
+    worker = workers.start()
+
+    # At level "layout" the worker's fingerprint differs from the daemon's "full" one.
+    first = worker.load(checkpoints.single, socket=daemon.socket, fingerprint_level="layout")
+    second = worker.load(
+        checkpoints.single, socket=daemon.socket, fingerprint_level="layout", key="again"
+    )
+    with service_stub(daemon.socket) as stub, pytest.raises(grpc.RpcError) as evict:
+        stub.Evict(pb.EvictRequest(name="nosuch"), timeout=10)
+
+    assert first["source"] == second["source"] == "disk"
+    assert first["fallback_reason"]["code"] == "FINGERPRINT_MISMATCH"
+    assert rpc_failure(evict.value).reason == "MODEL_NOT_FOUND"
+    refused = log_events(daemon.log(), "refused")
+    [acquire] = [line for line in refused if line["rpc"] == "Acquire"]
+    assert acquire["reason"] == "FINGERPRINT_MISMATCH"
+    assert acquire["level"] == "warning"
+    assert acquire["model"] == "single"
+    assert acquire["path"] == str(checkpoints.single.resolve())
+    assert acquire["fingerprint_level"] == "LAYOUT"
+    assert acquire["match"] == "fingerprint"
+    assert acquire["components"] == "checkpoint/model.safetensors,format"
+    assert acquire["error"] == (
+        "held model 'single' was fingerprinted at level 'full', this request at level "
+        "'layout': a fingerprint at another level differs in every checkpoint file, whether "
+        "or not the files changed; load with fingerprint_level='full' (the daemon's "
+        "--fingerprint-level)"
+    )
+    assert (acquire["pid"], acquire["peer_pid"], acquire["peer_uid"]) == (
+        worker.pid,
+        worker.pid,
+        os.getuid(),
+    )
+    assert acquire["hostname"] == socketlib.gethostname()
+    assert acquire["suppressed"] == 0
+    [evicted] = [line for line in refused if line["rpc"] == "Evict"]
+    assert (evicted["reason"], evicted["model"]) == ("MODEL_NOT_FOUND", "nosuch")
+
+
+def test_refusal_log_writes_one_line_per_kind_per_interval() -> None:
+    now = [0.0]
+    log = RefusalLog(clock=lambda: now[0], interval=10.0)
+
+    written = [log.refused("Acquire", "MODEL_NOT_FOUND", "x", path="/m") for _ in range(3)]
+    other = log.refused("Acquire", "MODEL_NOT_FOUND", "x", path="/n")
+    now[0] = 10.0
+    later = log.refused("Acquire", "MODEL_NOT_FOUND", "x", path="/m")
+
+    assert (written, other, later) == ([True, False, False], True, True)
+
+
+# -- 4. who holds a lease ----------------------------------------------------------------
+
+
+def test_leases_name_their_holders(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single, checkpoints.other])
+    holder = workers.start(env={"WEIGHTCACHE_LABEL": "ns/pod-7"})
+    assert_attached(holder.load(checkpoints.single, socket=daemon.socket, ttl=30.0))
+    assert_attached(holder.load(checkpoints.other, socket=daemon.socket, key="o", mode="copy"))
+
+    listed = run_cli("leases", "--json", "--socket", daemon.socket)
+    single = run_cli("leases", "single", "--socket", daemon.socket)
+
+    assert (listed.returncode, listed.stderr) == (0, "")
+    leases = json.loads(listed.stdout)["leases"]
+    assert [lease["lease"]["model"] for lease in leases] == ["single"]  # copy mode released
+    [lease] = leases
+    assert lease["state"] == "LEASE_STATE_ACTIVE"
+    assert lease["lease"]["ttl"] == "30s"
+    assert lease["worker"] == {
+        "pid": holder.pid,
+        "hostname": socketlib.gethostname(),
+        "label": "ns/pod-7",
+        "pid_namespace": str(os.stat("/proc/self/ns/pid").st_ino),
+        "mode": "zero_copy",
+    }
+    assert lease["peer"] == {"pid": holder.pid, "uid": os.getuid(), "gid": os.getgid()}
+    assert (single.returncode, single.stderr) == (0, "")
+    header, row = single.stdout.splitlines()
+    assert header.split() == HEADER
+    cells = row.split()
+    assert cells[0] == lease["lease"]["lease_id"][:8]
+    assert cells[1:4] + cells[5:] == [
+        "single", "ACTIVE", "zero_copy", "30s", str(os.getuid()), str(holder.pid),
+        str(holder.pid), socketlib.gethostname(), "ns/pod-7",
+    ]  # fmt: skip
+
+
+def test_leases_of_a_model_not_held_are_none(daemons: DaemonPool) -> None:
+    daemon = daemons.start()
+
+    result = run_cli("leases", "nosuch", "--socket", daemon.socket)
+
+    assert (result.returncode, result.stdout.split(), result.stderr) == (
+        0,
+        [*HEADER],
+        "",
+    )
