@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket as socketlib
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ from tests.support import (
     DaemonPool,
     WorkerPool,
     assert_attached,
+    child_env,
+    cli_command,
     rpc_failure,
     run_cli,
     service_stub,
@@ -32,6 +36,18 @@ from weightcache_service.refusals import RefusalLog
 #: The header of ``weightcache leases``, split at blanks.
 HEADER = ["LEASE", "MODEL", "STATE", "MODE", "AGE", "TTL", "UID", "PID", "WORKER", "PID", "HOST"]
 HEADER += ["LABEL"]
+
+
+def run_cli_env(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``weightcache ARGS`` with ``env`` added to its environment."""
+    return subprocess.run(
+        [*cli_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(env),
+        check=False,
+    )
 
 
 def log_events(text: str, event: str) -> list[dict[str, Any]]:
@@ -232,4 +248,61 @@ def test_leases_of_a_model_not_held_are_none(daemons: DaemonPool) -> None:
         0,
         [*HEADER],
         "",
+    )
+
+
+# -- 6. messages that lead to the fix ------------------------------------------------------
+
+
+def test_no_socket_names_the_rule_and_the_variables(tmp_path: Path) -> None:
+    socket = str(tmp_path / "cpu.sock")
+    env = {"WEIGHTCACHE_RUNTIME_DIR": str(tmp_path)}
+
+    result = run_cli_env("ls", env=env)
+
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"weightcache ls: DAEMON_UNAVAILABLE: no daemon socket at {socket} (named by the "
+        f"runtime dir {tmp_path} ($WEIGHTCACHE_RUNTIME_DIR, else /run/weightcache as root, "
+        "$XDG_RUNTIME_DIR/weightcache, /tmp/weightcache-<uid>)); a process that does not "
+        "run as the daemon's user sets $WEIGHTCACHE_RUNTIME_DIR or $WEIGHTCACHE_SOCKET to "
+        "the daemon's\n"
+    )
+
+
+def test_a_stale_socket_says_no_daemon(tmp_path: Path) -> None:
+    socket = str(tmp_path / "stale.sock")
+    with socketlib.socket(socketlib.AF_UNIX) as stale:
+        stale.bind(socket)  # bound, never listening: what a daemon killed leaves
+
+    result = run_cli("ls", "--socket", socket)
+
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith(
+        "weightcache ls: DAEMON_UNAVAILABLE: no daemon (stale socket: nothing listens on it): "
+    )
+
+
+def test_a_socket_of_another_user_names_the_group_rule(daemons: DaemonPool) -> None:
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv(1) to connect as another user")
+    daemon = daemons.start()
+    os.chmod(os.path.dirname(daemon.socket), 0o755)  # the folder open, the socket 0600
+
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    result = subprocess.run(
+        [*as_nobody, *cli_command(), "ls", "--socket", daemon.socket],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        check=False,
+    )
+
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr.startswith(
+        "weightcache ls: DAEMON_UNAVAILABLE: daemon unavailable: the socket is the daemon's "
+        "user's only, unless the daemon runs with --group GROUP and this process is in that "
+        "group: "
     )

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from weightcache.core.rpc import LIVENESS, READINESS, call, connect, target
+from weightcache.core.sockets import no_socket
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def health(socket: str, liveness: bool, timeout: float) -> int:
 
     service = LIVENESS if liveness else READINESS
     if not os.path.exists(socket):
-        print(f"weightcache health: no daemon socket at {socket}", file=sys.stderr)
+        print(f"weightcache health: {no_socket(socket)}", file=sys.stderr)
         return EXIT_FAILURE
     try:
         with grpc.insecure_channel(target(socket)) as channel:

@@ -94,7 +94,7 @@ from weightcache.core.records import (
     WorkerDescription,
 )
 from weightcache.core.rpc import call_shared
-from weightcache.core.sockets import default_socket
+from weightcache.core.sockets import default_socket, no_socket, socket_denied
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1.weight_cache_service_pb2_grpc import WeightCacheServiceStub
@@ -663,12 +663,10 @@ class _Attach:
             try:
                 return check_socket(self.socket, self.trusted)
             except PermissionError as exc:
-                raise DaemonUnavailableError(
-                    f"cannot reach the daemon socket {self.socket}: {exc.strerror}"
-                ) from None
+                raise DaemonUnavailableError(socket_denied(self.socket, exc.strerror)) from None
             except FileNotFoundError:
                 if time.monotonic() + RETRY_INTERVAL > deadline:
-                    raise DaemonUnavailableError(f"no daemon socket at {self.socket}") from None
+                    raise DaemonUnavailableError(no_socket(self.socket)) from None
                 time.sleep(RETRY_INTERVAL)
 
     def _map(

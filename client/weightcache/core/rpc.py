@@ -12,6 +12,7 @@ import grpc
 
 from weightcache.core.errors import DaemonUnavailableError, WeightCacheError
 from weightcache.core.per_process import PerProcess
+from weightcache.core.sockets import no_socket, socket_denied
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
@@ -48,11 +49,9 @@ def connect(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
     try:
         os.stat(socket)
     except FileNotFoundError:
-        raise DaemonUnavailableError(f"no daemon socket at {socket}") from None
+        raise DaemonUnavailableError(no_socket(socket)) from None
     except PermissionError as exc:
-        raise DaemonUnavailableError(
-            f"cannot reach the daemon socket {socket}: {exc.strerror}"
-        ) from None
+        raise DaemonUnavailableError(socket_denied(socket, exc.strerror)) from None
     channel = grpc.insecure_channel(
         target(socket), options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
     )

@@ -58,5 +58,18 @@ def from_rpc_error(exc: grpc.RpcError) -> WeightCacheError:
     code = exc.code() if isinstance(exc, grpc.Call) else None
     text = exc.details() if isinstance(exc, grpc.Call) else str(exc)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
-        return DaemonUnavailableError(f"daemon unavailable: {text}")
+        return DaemonUnavailableError(f"{_why_unavailable(text)}: {text}")
     return RemoteError(f"{code}: {text}", reason=str(code.name if code else "UNKNOWN"))
+
+
+def _why_unavailable(text: str) -> str:
+    """What a gRPC UNAVAILABLE's details mean for a Unix socket: nothing listens on it (a
+    daemon that died left it: stale), or connect(2) was refused by the file modes."""
+    if "Connection refused" in text:
+        return "no daemon (stale socket: nothing listens on it)"
+    if "Permission denied" in text:
+        return (
+            "daemon unavailable: the socket is the daemon's user's only, unless the daemon "
+            "runs with --group GROUP and this process is in that group"
+        )
+    return "daemon unavailable"
