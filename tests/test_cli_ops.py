@@ -150,6 +150,7 @@ def test_ls_progress_column() -> None:
     assert _progress(model(pb.MODEL_STATE_LOADING, 256, 1024)) == "25%"
     assert _progress(model(pb.MODEL_STATE_LOADING, 0, 0)) == "0%"
     assert _progress(model(pb.MODEL_STATE_READY, 1024, 1024)) == "-"
+    assert _progress(model(pb.MODEL_STATE_LOADING, 1024, 1024)) == "hashing"  # no digest yet
 
 
 def test_log_level_filters_the_daemons_lines(daemons: DaemonPool, checkpoints: Checkpoints) -> None:

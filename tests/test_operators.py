@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from tests.support import (
     Checkpoints,
@@ -29,8 +30,10 @@ from tests.support import (
     write_malformed,
 )
 from tests.test_probes import free_port, scrape
+from weightcache.core.version import __version__
 from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.admin import human_bytes
 from weightcache_service.refusals import RefusalLog
 
 #: The header of ``weightcache leases``, split at blanks.
@@ -306,3 +309,79 @@ def test_a_socket_of_another_user_names_the_group_rule(daemons: DaemonPool) -> N
         "user's only, unless the daemon runs with --group GROUP and this process is in that "
         "group: "
     )
+
+
+# -- 11. small things --------------------------------------------------------------------
+
+
+def test_human_bytes() -> None:
+    assert [human_bytes(n) for n in (0, 512, 1536, 40 * 2**20, int(7.25 * 2**30), 2**50)] == [
+        "0B",
+        "512B",
+        "1.5KiB",
+        "40.0MiB",
+        "7.2GiB",
+        "1024.0TiB",
+    ]
+
+
+def test_info_says_unlimited_and_json_keeps_numbers(
+    failed_start: tuple[Any, int, dict[str, str]],
+) -> None:
+    daemon, _, _ = failed_start
+
+    info = run_cli("info", "--socket", daemon.socket)
+    as_json = run_cli("info", "--json", "--socket", daemon.socket)
+    ls = run_cli("ls", "--json", "--socket", daemon.socket)
+
+    assert info.returncode == as_json.returncode == ls.returncode == 0
+    assert "memory_budget_bytes: unlimited\n" in info.stdout
+    held = json.loads(as_json.stdout)["memory_held_bytes"]
+    assert isinstance(held, int) and held > 0
+    assert f"memory_held_bytes: {held} ({human_bytes(held)})\n" in info.stdout
+    [single] = [m for m in json.loads(ls.stdout)["models"] if m["name"] == "single"]
+    assert isinstance(single["size_bytes"], int)
+    assert isinstance(single["progress"]["bytes_total"], int)
+    assert isinstance(single["create_time"], str)  # a Timestamp keeps its RFC 3339 text
+
+
+def test_gc_dry_run_says_when_there_is_nothing() -> None:
+    # A /dev/shm of its own would need a mount namespace: on a shared machine other dead
+    # daemons' segments may exist, so only the empty case's line is checked when it holds.
+    result = run_cli("gc", "--dry-run")
+
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout != ""
+    if not result.stdout.startswith("would remove"):
+        assert result.stdout == "no segment of a dead daemon: nothing to remove\n"
+
+
+def test_start_up_and_signal_lines(daemons: DaemonPool, checkpoints: Checkpoints) -> None:
+    daemon = daemons.start([checkpoints.single], args=["--log-format", "json"])
+    assert daemon.stop() == 0
+
+    [started] = log_events(daemon.log(), "started")
+    [received] = log_events(daemon.log(), "received signal: draining")
+
+    assert (started["backend"], started["device"], started["device_uuid"]) == ("cpu_shm", "cpu", "")
+    assert started["version"] == __version__
+    assert started["torch"] == torch.__version__
+    assert started["models"] == started["required"] == [str(checkpoints.single)]
+    assert started["argv"][:3] == ["preload", str(checkpoints.single), "--log-format"]
+    assert (received["signal"], received["pid"], received["level"]) == (
+        "SIGTERM",
+        daemon.pid,
+        "info",
+    )
+
+
+def test_load_of_a_model_held_ready_succeeds(daemons: DaemonPool, checkpoints: Checkpoints) -> None:
+    root = checkpoints.single.parent
+    daemon = daemons.start(
+        [checkpoints.single], args=["--allow-remote-preload", "--model-root", str(root)]
+    )
+    total = list_models(daemon.socket)[0].progress.bytes_total
+
+    again = run_cli("load", str(checkpoints.single), "--socket", daemon.socket)
+
+    assert (again.returncode, again.stdout) == (0, f"single READY {total} bytes (already held)\n")

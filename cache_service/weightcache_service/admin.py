@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from google.protobuf.message import Message
 
 EXIT_FAILURE = 1
+#: Exit status after Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
 
 
 def health(socket: str, liveness: bool, timeout: float) -> int:
@@ -78,20 +80,63 @@ def _not_ready_models(socket: str, timeout: float) -> list[str]:
 
 
 def _print_json(message: Message) -> None:
+    """``message`` in the protobuf JSON mapping, except that 64-bit integers stay numbers
+    (the mapping writes them as strings, which a shell's ``jq`` would compare as text)."""
     from google.protobuf import json_format
 
     data = json_format.MessageToDict(
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
-    print(json.dumps(data, indent=2, sort_keys=True))
+    print(json.dumps(_int64_as_numbers(message, data), indent=2, sort_keys=True))
+
+
+_INT64_TYPES = frozenset({3, 4, 16, 18, 6})  # FieldDescriptor.TYPE_(U)INT64, (S)FIXED64, SINT64
+
+
+def _int64_as_numbers(message: Message, data: Any) -> Any:
+    """``data`` (``message`` as ``MessageToDict`` wrote it) with each 64-bit integer field
+    an int again; well-known types (Duration, Timestamp) keep their strings."""
+    if not isinstance(data, dict) or message.DESCRIPTOR.full_name.startswith("google."):
+        return data
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in data:
+            continue
+        value = getattr(message, field.name)
+        repeated = field.is_repeated
+        if field.type in _INT64_TYPES:
+            data[field.name] = [int(v) for v in data[field.name]] if repeated else int(value)
+        elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            if repeated:
+                data[field.name] = [
+                    _int64_as_numbers(m, d) for m, d in zip(value, data[field.name], strict=True)
+                ]
+            else:
+                data[field.name] = _int64_as_numbers(value, data[field.name])
+    return data
+
+
+def human_bytes(count: int) -> str:
+    """``count`` bytes in binary units, one decimal, no blank (one table cell): ``512B``,
+    ``1.5KiB``, ``40.0MiB``, ``7.3GiB`` (IEC 80000-13 prefixes)."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{count}B" if unit == "B" else f"{value:.1f}{unit}"
 
 
 def progress(model: pb.Model) -> str:
-    """Load progress: a percentage of the bytes while LOADING, else ``-``."""
+    """Load progress: a percentage of the bytes while LOADING, ``hashing`` once every byte
+    is copied and the fingerprint is still pending (level ``full``: the shards' sha256),
+    else ``-``."""
     total = model.progress.bytes_total
     if model.state != pb.MODEL_STATE_LOADING:
         return "-"
-    return f"{100 * model.progress.bytes_done // total}%" if total else "0%"
+    done = model.progress.bytes_done
+    if total and done >= total and not model.fingerprint.digest:
+        return "hashing"
+    return f"{100 * done // total}%" if total else "0%"
 
 
 def ls(socket: str, timeout: float, as_json: bool) -> int:
@@ -101,7 +146,7 @@ def ls(socket: str, timeout: float, as_json: bool) -> int:
     if as_json:
         _print_json(reply)
         return 0
-    rows = [("NAME", "STATE", "PROGRESS", "BYTES", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT")]
+    rows = [("NAME", "STATE", "PROGRESS", "SIZE", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT")]
     for m in reply.models:
         state = pb.ModelState.Name(m.state).removeprefix("MODEL_STATE_")
         rows.append(
@@ -109,7 +154,7 @@ def ls(socket: str, timeout: float, as_json: bool) -> int:
                 m.name,
                 state,
                 progress(m),
-                str(m.size_bytes),
+                human_bytes(m.size_bytes),
                 str(m.tensor_count),
                 str(m.lease_count),
                 m.recipe.dtype or "-",
@@ -192,35 +237,63 @@ def info(socket: str, timeout: float, as_json: bool) -> int:
     if as_json:
         _print_json(reply)
         return 0
-    for key in (
-        "version",
-        "protocol_version",
-        "torch_version",
-        "backend",
-        "device",
-        "memory_held_bytes",
-        "memory_budget_bytes",
-        "instance_id",
-    ):
+    for key in ("version", "protocol_version", "torch_version", "backend", "device"):
         print(f"{key}: {getattr(reply, key)}")
+    print(f"memory_held_bytes: {reply.memory_held_bytes} ({human_bytes(reply.memory_held_bytes)})")
+    budget = reply.memory_budget_bytes
+    # 0 on the wire: no budget beyond what the backend has (GetServerInfoResponse).
+    shown = f"{budget} ({human_bytes(budget)})" if budget else "unlimited"
+    print(f"memory_budget_bytes: {shown}")
+    print(f"instance_id: {reply.instance_id}")
     return 0
 
 
 def load(socket: str, args: argparse.Namespace) -> int:
+    """``weightcache load``: Preload with a progress bar; exit 0 once READY, also when the
+    daemon already holds the model READY (idempotent). Ctrl-C stops following, not the
+    load: the daemon goes on loading, and this says so (exit 130)."""
     import logging
 
     from rich.console import Console
 
+    from weightcache.core.errors import ModelExistsError
     from weightcache_service.load_command import run_load
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     console = Console(stderr=True)
-    last = run_load(
-        socket, args.model, args.revision, dtype=args.dtype, timeout=args.timeout, console=console
-    )
+    try:
+        last = run_load(
+            socket,
+            args.model,
+            args.revision,
+            dtype=args.dtype,
+            timeout=args.timeout,
+            console=console,
+        )
+    except ModelExistsError as err:
+        return _already_held(socket, err.metadata.get("model", ""), args.timeout, err)
+    except KeyboardInterrupt:
+        print(
+            "weightcache load: interrupted; the daemon goes on loading the model (`weightcache "
+            "ls` shows its progress, `weightcache evict NAME` drops it once loaded)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     state = pb.ModelState.Name(last.state).removeprefix("MODEL_STATE_")
     print(f"{last.model} {state} {last.progress.bytes_total} bytes")
     return 0 if last.state == pb.MODEL_STATE_READY else EXIT_FAILURE
+
+
+def _already_held(socket: str, name: str, timeout: float | None, err: Exception) -> int:
+    """A Preload of a model the daemon holds: success when it is READY (printed as a load
+    that completed, with ``(already held)``), else the refusal."""
+    channel, stub = connect(socket)
+    with channel:
+        model = call(lambda: stub.GetModel(pb.GetModelRequest(name=name), timeout=timeout)).model
+    if model.state != pb.MODEL_STATE_READY:
+        raise err
+    print(f"{model.name} READY {model.progress.bytes_total} bytes (already held)")
+    return 0
 
 
 def evict(socket: str, name: str, force: bool, timeout: float) -> int:

@@ -150,7 +150,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="plugin a remote Preload may use; repeatable",
     )
-    daemon.add_argument("--fingerprint-level", choices=LEVELS, default=DEFAULT_LEVEL)
+    daemon.add_argument(
+        "--fingerprint-level",
+        choices=LEVELS,
+        default=DEFAULT_LEVEL,
+        help="how much content the identity covers: full (sha256 of every byte), sampled, "
+        f"layout; workers must load at the same level (default {DEFAULT_LEVEL})",
+    )
     daemon.add_argument("--allow-remote-preload", action="store_true", help="accept Preload RPCs")
     daemon.add_argument(
         "--model-root", action="append", default=[], help="folder remote Preload may read"
@@ -168,8 +174,15 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument(
         "--headroom", default=None, help="bytes a preload must leave available (default 256MiB)"
     )
-    daemon.add_argument("--log-format", choices=("console", "json"), default="console")
-    daemon.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    daemon.add_argument(
+        "--log-format",
+        choices=("console", "json"),
+        default="console",
+        help="log lines on stderr: console (aligned text) or json (one object a line)",
+    )
+    daemon.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="lowest level logged"
+    )
     daemon.add_argument(
         "--group", default=None, help="group allowed to connect (folder 0750, socket 0660)"
     )
@@ -273,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``weightcache`` command; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command == "preload":
-        return _preload(args)
+        return _preload(args, argv)
     if args.command == "gc":
         return _gc(args.dry_run)
     try:
@@ -328,7 +341,7 @@ def daemon_socket(args: argparse.Namespace, device: Device | None = None) -> str
     return str(args.socket) if args.socket else default_socket(device.socket_device)
 
 
-def _preload(args: argparse.Namespace) -> int:
+def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     from weightcache.core.plugins import PluginStep
     from weightcache.core.recipe import Placement, Recipe, parse_dtype
     from weightcache.core.tp import TPPlan
@@ -393,6 +406,7 @@ def _preload(args: argparse.Namespace) -> int:
             tcp=_tcp(args),
             health_listen=args.health_listen,
             metrics_listen=args.metrics_listen,
+            argv=list(sys.argv[1:] if argv is None else argv),
         )
         run_daemon(config)
     except (AccessError, DeviceError, SocketInUseError, WeightCacheError, OSError) as err:
@@ -488,6 +502,9 @@ def _gc(dry_run: bool) -> int:
     except OSError as exc:
         print(f"weightcache gc: cannot list {SHM_DIR}: {exc.strerror}", file=sys.stderr)
         return EXIT_FAILURE
+    if not dead:
+        print("no segment of a dead daemon: nothing to remove")
+        return 0
     status = 0
     for segment in dead:
         what = f"{segment.path} ({segment.size} bytes, daemon pid {segment.pid})"

@@ -144,6 +144,7 @@ class DaemonConfig:
         grace: seconds in-flight RPCs get at shutdown, after the drain.
         health_listen: ``HOST:PORT`` of a plaintext health-only listener, or None.
         metrics_listen: ``HOST:PORT`` of the Prometheus metrics listener, or None.
+        argv: the command line it was started with (logged at start).
     """
 
     socket: str
@@ -156,6 +157,7 @@ class DaemonConfig:
     grace: float = 1.0
     health_listen: str | None = None
     metrics_listen: str | None = None
+    argv: list[str] = field(default_factory=list)
 
 
 class Daemon:
@@ -188,6 +190,15 @@ class Daemon:
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._drain_deadline: float | None = None
+
+    def on_signal(self, signum: int) -> None:
+        """A SIGTERM or SIGINT: logged, then :meth:`stop`."""
+        name = signal.Signals(signum).name
+        if self._stop.is_set():
+            log.warning("received second signal: cutting the drain short", signal=name)
+        else:
+            log.info("received signal: draining", signal=name, pid=os.getpid())
+        self.stop()
 
     def stop(self) -> None:
         """Ask the daemon to drain and shut down; a second call skips the rest of the
@@ -273,6 +284,18 @@ class Daemon:
         self.config.access.secure_path(socket, self.config.access.socket_mode)
         await self.health.bound()
         log.info("listening", socket=socket, instance=self.instance_id[:12], pid=os.getpid())
+        env = self.cache.environment
+        log.info(
+            "started",
+            version=env.weightcache_version,
+            torch=env.torch_version,
+            backend=env.backend,
+            device=self.backend.device,
+            device_uuid=env.device_uuid,
+            models=[spec.path for spec in self.config.preload],
+            required=[spec.path for spec in self.config.preload if spec.required],
+            argv=self.config.argv,
+        )
         return server
 
     async def _start_listeners(self) -> None:
@@ -435,7 +458,7 @@ def run_daemon(config: DaemonConfig) -> None:
         daemon = Daemon(config)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, daemon.stop)
+            loop.add_signal_handler(sig, daemon.on_signal, sig)
         await daemon.run()
 
     asyncio.run(main())
