@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket as socketlib
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import (
     Checkpoints,
@@ -227,7 +232,7 @@ def test_leases_name_their_holders(
         "pid": holder.pid,
         "hostname": socketlib.gethostname(),
         "label": "ns/pod-7",
-        "pid_namespace": str(os.stat("/proc/self/ns/pid").st_ino),
+        "pid_namespace": os.stat("/proc/self/ns/pid").st_ino,
         "mode": "zero_copy",
     }
     assert lease["peer"] == {"pid": holder.pid, "uid": os.getuid(), "gid": os.getgid()}
@@ -385,3 +390,109 @@ def test_load_of_a_model_held_ready_succeeds(daemons: DaemonPool, checkpoints: C
     again = run_cli("load", str(checkpoints.single), "--socket", daemon.socket)
 
     assert (again.returncode, again.stdout) == (0, f"single READY {total} bytes (already held)\n")
+
+
+# -- 10. the dashboard and the alert rules name only what the daemon exports ------------
+
+MONITORING = Path(__file__).resolve().parent.parent / "deploy" / "monitoring"
+#: Series Prometheus makes itself, which the rules may name.
+PROMETHEUS_OWN = {"up"}
+
+
+def _exported_names(port: int) -> set[str]:
+    """Every series name the daemon's exposition declares, parsed with prometheus-client's
+    parser (a labelled family without samples yet is declared all the same)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum")}
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(family.name + s for s in suffixes.get(family.type, ()))
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def _named(expr: str) -> set[str]:
+    return set(re.findall(r"\b(weightcache_[a-z_]+|up)\b", expr))
+
+
+def test_the_dashboard_and_alerts_name_only_exported_metrics(daemons: DaemonPool) -> None:
+    port = free_port()
+    # With a budget: weightcache_memory_budget_bytes is absent when there is none.
+    daemons.start(args=["--metrics-listen", f"127.0.0.1:{port}", "--max-memory", "1GiB"])
+    dashboard = json.loads((MONITORING / "weightcache-dashboard.json").read_text())
+    rules = yaml.safe_load((MONITORING / "weightcache-alerts.yml").read_text())
+    exported = _exported_names(port) | PROMETHEUS_OWN
+
+    panel_exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    rule_exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+
+    assert len(panel_exprs) >= 9 and len(rule_exprs) >= 5
+    assert all(_named(expr) for expr in panel_exprs + rule_exprs)
+    assert {n for e in panel_exprs + rule_exprs for n in _named(e)} - exported == set()
+    assert [p["id"] for p in dashboard["panels"]] == list(range(1, len(dashboard["panels"]) + 1))
+
+
+def test_the_alert_rules_pass_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+
+    result = subprocess.run(
+        [promtool, "check", "rules", str(MONITORING / "weightcache-alerts.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- 9. PROMETHEUS_MULTIPROC_DIR and IPv6 ------------------------------------------------
+
+
+def test_metrics_ignore_a_multiprocess_dir_and_listen_on_both_stacks(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """``[::]`` serves IPv4 and IPv6 (the manifests' address); a PROMETHEUS_MULTIPROC_DIR
+    set for another application is ignored (said in the log), whether or not it exists."""
+    port, health_port = free_port(), free_port()
+    other_app = tmp_path / "other-app"
+    other_app.mkdir()
+    listen = ["--metrics-listen", f"[::]:{port}", "--health-listen", f"[::]:{health_port}"]
+    daemon = daemons.start(
+        [checkpoints.single],
+        args=[*listen, "--log-format", "json"],
+        env={"PROMETHEUS_MULTIPROC_DIR": str(other_app)},
+    )
+
+    for host in ("127.0.0.1", "[::1]"):
+        url = f"http://{host}:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert [s.value for s in families["weightcache_leases_active"].samples] == [0.0]
+        with grpc.insecure_channel(f"{host}:{health_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            status = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=10)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    assert list(other_app.iterdir()) == []
+    [ignored] = log_events(daemon.log(), "ignored: the daemon's metrics are one process's")
+    assert (ignored["variable"], ignored["value"]) == ("PROMETHEUS_MULTIPROC_DIR", str(other_app))
+
+
+def test_a_missing_multiprocess_dir_does_not_break_the_metrics(
+    daemons: DaemonPool, tmp_path: Path
+) -> None:
+    port = free_port()
+    daemon = daemons.start(
+        args=["--metrics-listen", f"127.0.0.1:{port}"],
+        env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "absent")},
+    )
+
+    samples = scrape(port)
+
+    assert samples["weightcache_leases_active", ()] == 0
+    assert "No such file or directory" not in daemon.log()

@@ -342,6 +342,10 @@ def daemon_socket(args: argparse.Namespace, device: Device | None = None) -> str
 
 
 def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    # Before anything imports prometheus_client, which reads the variable at import.
+    ignored = _drop_multiprocess_variables()
+    import structlog
+
     from weightcache.core.plugins import PluginStep
     from weightcache.core.recipe import Placement, Recipe, parse_dtype
     from weightcache.core.tp import TPPlan
@@ -353,6 +357,10 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
     from weightcache_service.socket_lock import SocketInUseError
 
     configure_logging(args.log_format, args.log_level)
+    for name, value in ignored.items():
+        structlog.get_logger("weightcache.daemon").warning(
+            "ignored: the daemon's metrics are one process's", variable=name, value=value
+        )
     level = args.fingerprint_level
     if args.drain_timeout is not None and args.drain_timeout < 0:
         print("weightcache preload: --drain-timeout must not be negative", file=sys.stderr)
@@ -413,6 +421,19 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
     return 0
+
+
+#: prometheus-client's multiprocess mode (its values in files of this folder), read when
+#: prometheus_client is first imported.
+MULTIPROC_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+
+
+def _drop_multiprocess_variables() -> dict[str, str]:
+    """Drop prometheus-client's multiprocess variables (returned, to be logged) before
+    anything imports it: the daemon is one process with a registry of its own, and a
+    variable set for another application would make its counters write files into that
+    folder, or fail with a bare "No such file or directory" when the folder is missing."""
+    return {name: os.environ.pop(name) for name in MULTIPROC_VARIABLES if name in os.environ}
 
 
 def _models(texts: list[str]) -> list[str]:
