@@ -413,6 +413,8 @@ class Daemon:
             if isinstance(entry.failure, ModelExistsError) and "model" in entry.failure.metadata:
                 self.health.require_instead(entry.name, entry.failure.metadata["model"])
         await self.health.started()
+        if not self.health.ready:
+            self.notifier.send(f"STATUS={self._not_ready_status()}")
         entries = self.store.entries()
         ready = [e for e in entries if e.state == "ready"]
         failed = len(self.store.refusals) + len(entries) - len(ready)
@@ -423,6 +425,15 @@ class Daemon:
             failed=failed,
             bytes=self.store.held_bytes(),
         )
+
+    def _not_ready_status(self) -> str:
+        """systemd's STATUS= once start-up ended without readiness: the models that are not
+        READY and why (``systemctl status`` shows it while the unit waits, instead of a
+        silent start; the unit's TimeoutStartSec= then applies)."""
+        failed = [f"{m.name}: {m.error}" for m in self.cache.models() if m.state == "failed"]
+        if not failed:
+            return "not ready: start-up ended, a required model is not READY"
+        return f"not ready: {len(failed)} model(s) FAILED: {'; '.join(failed)}"[:1000]
 
     def _grace(self) -> float:
         """Seconds in-flight RPCs get: ``config.grace``, but never past the end of the
