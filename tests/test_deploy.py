@@ -124,6 +124,9 @@ def test_worker_pod_reaches_the_daemons_socket_and_segments() -> None:
     daemon_pod = daemonset["spec"]["template"]["spec"]
     [container] = worker["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
+    volumes = {v["name"]: v.get("hostPath", {}) for v in worker["spec"]["volumes"]}
+    # A node without a daemon must not keep the worker from starting (it falls back).
+    assert volumes["weightcache-sockets"]["type"] == "DirectoryOrCreate"
     fields = {
         e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
         for e in container["env"]
