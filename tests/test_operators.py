@@ -11,6 +11,7 @@ import re
 import shutil
 import socket as socketlib
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,9 @@ def test_metrics_count_the_failed_start_up_models(
 
     samples = scrape(port)
 
+    assert samples["process_resident_memory_bytes", ()] > 0
+    assert samples["process_open_fds", ()] > 0
+    assert 0 < samples["process_start_time_seconds", ()] <= time.time()
     assert samples["weightcache_models", (("state", "failed"),)] == 2
     assert samples["weightcache_models", (("state", "ready"),)] == 1
     refused = (("reason", "INVALID_CHECKPOINT"), ("result", "refused"))

@@ -20,6 +20,7 @@ its own thread, and the cache's tables belong to the loop).
 | ``weightcache_lease_expiries_total`` | counter | | leases ended by their TTL |
 | ``weightcache_lease_revocations_total`` | counter | | leases revoked (forced evict, drain) |
 | ``weightcache_daemon_info`` | gauge | ``version``, ``backend``, ``device_uuid`` | 1 |
+| ``process_*`` | | | prometheus-client's ``ProcessCollector``: RSS, CPU, start time, fds |
 
 (1) ``result`` ``granted`` (``reason`` empty) or ``refused`` (``reason`` the error's).
 (2) ``result``: loads ended ``ready`` or ``failed``, or ``refused``: a start-up model or
@@ -37,7 +38,13 @@ from typing import get_args
 from wsgiref.simple_server import WSGIServer
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -111,6 +118,9 @@ class Metrics(CacheEvents):
             registry=self.registry,
         )
         self.registry.register(_Gauges(self))
+        # process_* (resident and virtual memory, CPU seconds, start time, open and max
+        # file descriptors), as the default registry has them: this registry is our own.
+        ProcessCollector(registry=self.registry)
         cache.events = self
 
     # -- CacheEvents -------------------------------------------------------------------
