@@ -500,3 +500,26 @@ def test_a_missing_multiprocess_dir_does_not_break_the_metrics(
 
     assert samples["weightcache_leases_active", ()] == 0
     assert "No such file or directory" not in daemon.log()
+
+
+# -- 3. what the Acquire counter means ---------------------------------------------------
+
+
+def test_a_copy_attached_counts_a_probe_miss_not_a_refusal(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    port = free_port()
+    daemon = daemons.start([checkpoints.single], args=["--metrics-listen", f"127.0.0.1:{port}"])
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoints.single, copy)  # other files: the probe by identity misses
+
+    assert_attached(workers.start().load(copy, socket=daemon.socket))
+
+    acquires = {k: v for k, v in scrape(port).items() if k[0] == "weightcache_acquires_total"}
+    assert acquires == {
+        ("weightcache_acquires_total", (("reason", ""), ("result", "granted"))): 1.0,
+        (
+            "weightcache_acquires_total",
+            (("reason", "MODEL_NOT_FOUND"), ("result", "probe_missed")),
+        ): 1.0,
+    }

@@ -68,9 +68,11 @@ class CacheEvents:
     """What the cache reports as it happens (metrics listen, :mod:`.metrics`); this base
     ignores everything."""
 
-    def acquired(self, reason: str, seconds: float) -> None:
+    def acquired(self, reason: str, seconds: float, probe: bool = False) -> None:
         """An Acquire was answered in ``seconds``: ``reason`` empty when granted, else the
-        refusal's reason (``MODEL_NOT_FOUND``...)."""
+        refusal's reason (``MODEL_NOT_FOUND``...); ``probe``: the refusal is the miss of an
+        Acquire by file identity, which the SDK follows with one by fingerprint (not a
+        fallback)."""
 
     def loaded(self, entry: Entry) -> None:
         """A load ended (``entry.state`` says how)."""

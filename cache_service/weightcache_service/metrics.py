@@ -22,7 +22,10 @@ its own thread, and the cache's tables belong to the loop).
 | ``weightcache_daemon_info`` | gauge | ``version``, ``backend``, ``device_uuid`` | 1 |
 | ``process_*`` | | | prometheus-client's ``ProcessCollector``: RSS, CPU, start time, fds |
 
-(1) ``result`` ``granted`` (``reason`` empty) or ``refused`` (``reason`` the error's).
+(1) ``result`` ``granted`` (``reason`` empty), ``refused`` (``reason`` the error's: the
+worker falls back to disk, or raises), or ``probe_missed``: an Acquire by file identity
+that found no model loaded from those files (``MODEL_NOT_FOUND``), which the SDK follows
+with an Acquire by fingerprint (docs/protocol.md): not a fallback.
 (2) ``result``: loads ended ``ready`` or ``failed``, or ``refused``: a start-up model or
 a Preload RPC refused before its load began (missing or malformed checkpoint, recipe,
 memory budget); ``reason`` the error's (empty for ``ready``).
@@ -125,9 +128,11 @@ class Metrics(CacheEvents):
 
     # -- CacheEvents -------------------------------------------------------------------
 
-    def acquired(self, reason: str, seconds: float) -> None:
-        """Count an Acquire: ``reason`` empty when granted, else the refusal's reason."""
-        self.acquires.labels("refused" if reason else "granted", reason).inc()
+    def acquired(self, reason: str, seconds: float, probe: bool = False) -> None:
+        """Count an Acquire: ``reason`` empty when granted, else the refusal's reason;
+        the miss of an Acquire by file identity (``probe``) as ``probe_missed``."""
+        result = "granted" if not reason else "probe_missed" if probe else "refused"
+        self.acquires.labels(result, reason).inc()
         self.acquire_seconds.observe(seconds)
 
     def loaded(self, entry: Entry) -> None:

@@ -129,7 +129,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         try:
             reply = self._acquire(request, context)
         except WeightCacheError as err:
-            self.cache.events.acquired(err.reason, time.perf_counter() - start)
+            probe = bool(request.files) and isinstance(err, ModelNotFoundError)
+            self.cache.events.acquired(err.reason, time.perf_counter() - start, probe)
             self._log_acquire_refused(request, context, err)
             raise
         self.cache.events.acquired("", time.perf_counter() - start)
