@@ -133,6 +133,7 @@ def test_metrics_count_the_failed_start_up_models(
 
     samples = scrape(port)
 
+    assert samples["weightcache_ready", ()] == 0  # required models FAILED
     assert samples["process_resident_memory_bytes", ()] > 0
     assert samples["process_open_fds", ()] > 0
     assert 0 < samples["process_start_time_seconds", ()] <= time.time()
@@ -515,7 +516,9 @@ def test_a_copy_attached_counts_a_probe_miss_not_a_refusal(
 
     assert_attached(workers.start().load(copy, socket=daemon.socket))
 
-    acquires = {k: v for k, v in scrape(port).items() if k[0] == "weightcache_acquires_total"}
+    samples = scrape(port)
+    assert samples["weightcache_ready", ()] == 1
+    acquires = {k: v for k, v in samples.items() if k[0] == "weightcache_acquires_total"}
     assert acquires == {
         ("weightcache_acquires_total", (("reason", ""), ("result", "granted"))): 1.0,
         (

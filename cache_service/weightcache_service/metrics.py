@@ -12,6 +12,7 @@ its own thread, and the cache's tables belong to the loop).
 | ``weightcache_memory_held_bytes`` | gauge | | bytes of arenas held |
 | ``weightcache_memory_budget_bytes`` | gauge | | the arena budget (absent when unlimited) |
 | ``weightcache_leases_active`` | gauge | | live leases |
+| ``weightcache_ready`` | gauge | | 1 while readiness is SERVING, else 0 |
 | ``weightcache_acquires_total`` | counter | ``result``, ``reason`` | Acquire RPCs (1) |
 | ``weightcache_acquire_duration_seconds`` | histogram | | Acquire latency in the daemon |
 | ``weightcache_preloads_total`` | counter | ``result``, ``reason`` | preloads (2) |
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import get_args
 from wsgiref.simple_server import WSGIServer
@@ -72,6 +73,7 @@ class Snapshot:
     held: int
     budget: int | None
     leases: int
+    ready: bool
 
 
 class Metrics(CacheEvents):
@@ -80,12 +82,19 @@ class Metrics(CacheEvents):
     Args:
         cache: the cache observed (its ``events`` are set to this object).
         loop: the event loop that owns the cache.
+        ready: whether readiness is SERVING now (read on the loop at each scrape).
     """
 
-    def __init__(self, cache: WeightCache, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        cache: WeightCache,
+        loop: asyncio.AbstractEventLoop,
+        ready: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._cache = cache
         self._loop = loop
+        self._ready = ready
         self.acquires = Counter(
             "weightcache_acquires",
             "Acquire RPCs by result (granted, refused) and refusal reason.",
@@ -176,6 +185,7 @@ class Metrics(CacheEvents):
                 held=self._cache.store.held_bytes(),
                 budget=budget.limit if budget is not None else None,
                 leases=len(self._cache.leases),
+                ready=self._ready(),
             )
 
         future = asyncio.run_coroutine_threadsafe(take(), self._loop)
@@ -206,6 +216,11 @@ class _Gauges(Collector):
                 "weightcache_memory_budget_bytes", "The arena budget.", value=snap.budget
             )
         yield GaugeMetricFamily("weightcache_leases_active", "Live leases.", value=snap.leases)
+        yield GaugeMetricFamily(
+            "weightcache_ready",
+            "1 while readiness is SERVING (every required model READY, not draining), else 0.",
+            value=int(snap.ready),
+        )
         env = self._metrics._cache.environment
         info = GaugeMetricFamily(
             "weightcache_daemon_info",

@@ -304,7 +304,9 @@ class Daemon:
         if self._health_listener is not None:
             await self._health_listener.start(self.health)
         if self._metrics_listener is not None:
-            metrics = Metrics(self.cache, asyncio.get_running_loop())
+            metrics = Metrics(
+                self.cache, asyncio.get_running_loop(), ready=lambda: self.health.ready
+            )
             await asyncio.to_thread(self._metrics_listener.start, metrics)
 
     async def _stop_listeners(self) -> None:
