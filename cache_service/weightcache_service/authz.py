@@ -57,6 +57,7 @@ RULES: dict[str, Need] = {
     _SERVICE + "Release": Need.AUTHENTICATED,
     _SERVICE + "Evict": Need.AUTHENTICATED,
     _SERVICE + "Preload": Need.AUTHENTICATED,
+    _SERVICE + "ListLeases": Need.AUTHENTICATED,
 }
 
 #: auth_context() keys of a verified client certificate's names (grpc/grpc_security_constants.h).

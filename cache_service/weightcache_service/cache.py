@@ -26,6 +26,7 @@ from weightcache.core.errors import (
     InvalidArgumentError,
     LeasesActiveError,
     ModelExistsError,
+    ModelFailedError,
     ModelLoadingError,
     ModelNotFoundError,
     PermissionDeniedError,
@@ -45,6 +46,7 @@ from weightcache.core.records import (
     Acquisition,
     Environment,
     Grant,
+    LeaseHolder,
     LeaseInfo,
     LeaseStatus,
     ModelInfo,
@@ -57,7 +59,8 @@ from weightcache_service.arena import Arena
 from weightcache_service.backend import Backend
 from weightcache_service.handover import HandOverRefusedError, HeldLease, HeldModel
 from weightcache_service.leases import Lease, LeaseTable
-from weightcache_service.store import Entry, Store, clip
+from weightcache_service.peers import Connection, holder
+from weightcache_service.store import Entry, Refusal, Store, clip
 
 log = structlog.get_logger("weightcache.daemon")
 
@@ -69,12 +72,19 @@ class CacheEvents:
     """What the cache reports as it happens (metrics listen, :mod:`.metrics`); this base
     ignores everything."""
 
-    def acquired(self, reason: str, seconds: float) -> None:
+    def acquired(self, reason: str, seconds: float, probe: bool = False) -> None:
         """An Acquire was answered in ``seconds``: ``reason`` empty when granted, else the
-        refusal's reason (``MODEL_NOT_FOUND``...)."""
+        refusal's reason (``MODEL_NOT_FOUND``...); ``probe``: the refusal is the miss of an
+        Acquire by file identity, which the SDK follows with one by fingerprint (not a
+        fallback)."""
 
     def loaded(self, entry: Entry) -> None:
         """A load ended (``entry.state`` says how)."""
+
+    def preload_refused(self, reason: str) -> None:
+        """A preload (start-up or Preload RPC) was refused before its load began: a
+        malformed or missing checkpoint, a recipe that cannot apply, the memory budget
+        (``reason``: the error's)."""
 
     def lease_expired(self) -> None:
         """A lease ended by its TTL."""
@@ -176,6 +186,20 @@ class WeightCache:
             ResourceExhaustedError: the arena would not fit the memory budget.
         """
 
+        try:
+            return await self._begin_load(path, recipe, placement, level, confine)
+        except ModelExistsError:
+            raise  # nothing to load: not a refusal
+        except WeightCacheError as err:
+            self.events.preload_refused(err.reason)
+            raise
+        except Exception:
+            self.events.preload_refused(ModelFailedError.reason)
+            raise
+
+    async def _begin_load(
+        self, path: str, recipe: Recipe, placement: Placement, level: Level, confine: bool
+    ) -> tuple[Entry, asyncio.Task[None]]:
         def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
             # Confinement is checked on each file as opened: a path checked before the
             # open could be swapped for a symlink in between.
@@ -252,6 +276,18 @@ class WeightCache:
             )
         else:
             log.error("load failed", model=entry.name, error=entry.error)
+
+    def refuse(
+        self, path: str, recipe: Recipe, placement: Placement, level: Level, err: Exception
+    ) -> Refusal:
+        """Keep a start-up model refused before it held anything, listed FAILED with
+        ``err`` (anything but a :class:`WeightCacheError` is kept as MODEL_FAILED)."""
+        failure = (
+            err
+            if isinstance(err, WeightCacheError)
+            else ModelFailedError(f"{type(err).__name__}: {err}")
+        )
+        return self.store.refuse(path, recipe, placement, level, failure)
 
     async def wait_loads(self) -> None:
         """Wait for every load in progress to end (at shutdown)."""
@@ -432,11 +468,15 @@ class WeightCache:
         Raises:
             ModelNotFoundError: no such model.
         """
-        return self.info(self.store.get(name))
+        refusal = self.store.refusals.get(name)
+        return refusal.info() if refusal is not None else self.info(self.store.get(name))
 
     def models(self) -> list[ModelInfo]:
-        """Snapshots of every model, sorted by name."""
-        return [self.info(entry) for entry in self.store.entries()]
+        """Snapshots of every model, sorted by name: those held or loading, and the
+        start-up models refused before they held anything (:class:`Refusal`), FAILED."""
+        held = [self.info(entry) for entry in self.store.entries()]
+        refused = [refusal.info() for refusal in self.store.refusals.values()]
+        return sorted(held + refused, key=lambda m: m.name)
 
     def info(self, entry: Entry) -> ModelInfo:
         """A snapshot of ``entry`` with its live lease count."""
@@ -510,9 +550,17 @@ class WeightCache:
             raise self._with_skew(err, want.environment) from None
         if entry.handle is None:
             raise ModelLoadingError(f"model {entry.name!r} is not ready")
-        lease = self.leases.grant(entry.name, want.ttl, want.request_id, want.pid)
+        lease = self.leases.grant(entry.name, want.ttl, want.request_id, want.pid, want.worker)
         match = "files" if want.files else "fingerprint"
-        log.info("acquired", model=entry.name, lease=lease.lease_id[:8], pid=want.pid, match=match)
+        log.info(
+            "acquired",
+            model=entry.name,
+            lease=lease.lease_id[:8],
+            pid=want.pid,
+            hostname=want.worker.hostname,
+            label=want.worker.label,
+            match=match,
+        )
         return Grant(
             lease=self._lease_info(lease),
             model=self.info(entry),
@@ -606,6 +654,27 @@ class WeightCache:
             )
         return LeaseStatus(lease_id, "active", expire_time=self._wall(lease.expire_at))
 
+    def lease_holders(self, model: str, peers: list[Connection]) -> list[LeaseHolder]:
+        """Every live lease (on ``model`` only, unless empty), oldest first, with who holds
+        it: the worker's description, and the credentials of its connection among
+        ``peers`` (:func:`weightcache_service.peers.holder`)."""
+        holders = []
+        for lease in self.leases.live():
+            if model and lease.model != model:
+                continue
+            status = self._lease_status(lease.lease_id, lease)
+            holders.append(
+                LeaseHolder(
+                    lease=self._lease_info(lease),
+                    state=status.state,
+                    create_time=self._wall(lease.granted_at),
+                    worker=lease.worker,
+                    peer=holder(lease.worker, peers),
+                    revoke_deadline=status.revoke_deadline,
+                )
+            )
+        return holders
+
     def _lease_info(self, lease: Lease) -> LeaseInfo:
         return LeaseInfo(
             lease_id=lease.lease_id,
@@ -630,6 +699,10 @@ class WeightCache:
             ModelLoadingError: the model is loading.
             LeasesActiveError: it has live leases and ``force`` is not set.
         """
+        refusal = self.store.refusals.pop(name, None)
+        if refusal is not None:
+            log.info("evicted", model=name)
+            return refusal.info()
         entry = self.store.get(name)
         if entry.state == "loading":
             raise ModelLoadingError(f"model {entry.name!r} is loading; evict it once loaded")
@@ -705,7 +778,7 @@ class WeightCache:
         """Forget the unlinked arenas whose revoked leases have all ended."""
         kept = []
         for unlinked in self._unlinked:
-            unlinked.lease_ids = set(self.leases.live(unlinked.lease_ids))
+            unlinked.lease_ids = set(self.leases.live_ids(unlinked.lease_ids))
             if unlinked.lease_ids:
                 kept.append(unlinked)
             else:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from weightcache.core.errors import InvalidArgumentError, ResourceExhaustedError
+from weightcache.core.records import WorkerDescription
 
 Clock = Callable[[], float]
 
@@ -49,6 +50,8 @@ class Lease:
             memory is still mapped.
         settled: detached, and renewed since: its holder took note of the revoke and
             keeps its mapping (a drain need not wait for it).
+        granted_at: clock reading at which it was granted.
+        worker: the worker's description of itself (for operators: ListLeases).
     """
 
     lease_id: str
@@ -61,6 +64,8 @@ class Lease:
     revoke_deadline: float | None = None
     detached: bool = False
     settled: bool = False
+    granted_at: float = 0.0
+    worker: WorkerDescription = field(default_factory=WorkerDescription)
 
 
 @dataclass
@@ -90,8 +95,16 @@ class LeaseTable:
             return self.default_ttl
         return min(max(ttl, self.min_ttl), self.max_ttl)
 
-    def grant(self, model: str, ttl: float | None, request_id: str, pid: int) -> Lease:
+    def grant(
+        self,
+        model: str,
+        ttl: float | None,
+        request_id: str,
+        pid: int,
+        worker: WorkerDescription | None = None,
+    ) -> Lease:
         """Grant a lease, or return the live one an earlier call with ``request_id`` granted.
+        ``worker`` is kept on the lease as the worker described itself.
 
         Raises:
             InvalidArgumentError: ``request_id`` already holds a lease on another model.
@@ -112,13 +125,16 @@ class LeaseTable:
                 f"pid {pid} holds {self.max_leases_per_pid} leases already; release some"
             )
         granted = self.clamp(ttl)
+        now = self.clock()
         lease = Lease(
             lease_id=secrets.token_hex(16),
             model=model,
             ttl=granted,
-            expire_at=self.clock() + granted,
+            expire_at=now + granted,
             request_id=request_id,
             pid=pid,
+            granted_at=now,
+            worker=worker or WorkerDescription(pid=pid),
         )
         self._leases[lease.lease_id] = lease
         if request_id:
@@ -208,6 +224,12 @@ class LeaseTable:
             self.release(lease.lease_id)
         return expired
 
+    def live(self) -> list[Lease]:
+        """Every live lease, oldest first."""
+        now = self.clock()
+        live = [lease for lease in self._leases.values() if not self._over(lease, now)]
+        return sorted(live, key=lambda lease: lease.granted_at)
+
     def for_model(self, model: str) -> list[Lease]:
         """Live leases holding a model (expired and detached ones do not)."""
         now = self.clock()
@@ -226,7 +248,7 @@ class LeaseTable:
             lease.detached = True
         return leases
 
-    def live(self, lease_ids: Iterable[str]) -> list[str]:
+    def live_ids(self, lease_ids: Iterable[str]) -> list[str]:
         """Those of ``lease_ids`` that are still live."""
         return [lease_id for lease_id in lease_ids if self._live(lease_id) is not None]
 

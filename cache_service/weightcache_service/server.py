@@ -191,6 +191,7 @@ class DaemonConfig:
         metrics_listen: ``HOST:PORT`` of the Prometheus metrics listener, or None.
         hand_over: ``--hand-over``: SIGTERM hands the arenas and leases over to the next
             daemon on the socket (as SIGUSR2 always does) instead of draining.
+        argv: the command line it was started with (logged at start).
     """
 
     socket: str
@@ -204,6 +205,7 @@ class DaemonConfig:
     health_listen: str | None = None
     metrics_listen: str | None = None
     hand_over: bool = False
+    argv: list[str] = field(default_factory=list)
 
 
 class Daemon:
@@ -241,6 +243,16 @@ class Daemon:
         #: Why the socket path stopped being this daemon's, once it did.
         self._socket_lost: str | None = None
         self._hand_over_asked = False
+
+    def on_signal(self, signum: int) -> None:
+        """A signal of ``signals.STOP``: logged, then :meth:`stop` (a hand-over for SIGTERM
+        under ``--hand-over``)."""
+        name = signal.Signals(signum).name
+        if self._stop.is_set():
+            log.warning("received second signal: cutting the drain short", signal=name)
+        else:
+            log.info("received signal: draining", signal=name, pid=os.getpid())
+        self.stop(self.config.hand_over and signum == signal.SIGTERM)
 
     def stop(self, hand_over: bool = False) -> None:
         """Ask the daemon to drain and shut down, or (``hand_over``, on shared memory) to
@@ -421,7 +433,9 @@ class Daemon:
                 *CONNECTION_OPTIONS,
             ],
         )
-        pb_grpc.add_WeightCacheServiceServicer_to_server(WeightCacheServicer(self.cache), server)
+        pb_grpc.add_WeightCacheServiceServicer_to_server(
+            WeightCacheServicer(self.cache, socket), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         _enable_reflection(server)
         # Bound under a name of its own, then renamed into place: gRPC unlinks the path it
@@ -444,6 +458,18 @@ class Daemon:
         self._socket_id = (st.st_dev, st.st_ino)
         await self.health.bound()
         log.info("listening", socket=socket, instance=self.instance_id[:12], pid=os.getpid())
+        env = self.cache.environment
+        log.info(
+            "started",
+            version=env.weightcache_version,
+            torch=env.torch_version,
+            backend=env.backend,
+            device=self.backend.device,
+            device_uuid=env.device_uuid,
+            models=[spec.path for spec in self.config.preload],
+            required=[spec.path for spec in self.config.preload if spec.required],
+            argv=self.config.argv,
+        )
         return server
 
     async def _start_listeners(self) -> None:
@@ -452,7 +478,9 @@ class Daemon:
         if self._health_listener is not None:
             await self._health_listener.start(self.health)
         if self._metrics_listener is not None:
-            metrics = Metrics(self.cache, asyncio.get_running_loop())
+            metrics = Metrics(
+                self.cache, asyncio.get_running_loop(), ready=lambda: self.health.ready
+            )
             await asyncio.to_thread(self._metrics_listener.start, metrics)
 
     async def _stop_listeners(self) -> None:
@@ -532,7 +560,6 @@ class Daemon:
         cfg = self.config
         tasks = []
         required: list[Entry] = []
-        refused = 0
         for spec in cfg.preload:
             try:
                 entry, task = await self.cache.begin_load(
@@ -551,14 +578,18 @@ class Daemon:
                     self.health.refused()
                 # A model refused for lack of memory stays listed (FAILED): counted below.
                 if not isinstance(err, ResourceExhaustedError):
-                    refused += 1
+                    self.cache.refuse(
+                        spec.path, spec.recipe, spec.placement, spec.fingerprint_level, err
+                    )
                 log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
             except Exception as err:
                 # Never let one model stop the others or leave health NOT_SERVING forever.
-                refused += 1
                 if spec.required:
                     self.health.refused()
                 log.exception("cannot preload", path=spec.path, error=repr(err))
+                self.cache.refuse(
+                    spec.path, spec.recipe, spec.placement, spec.fingerprint_level, err
+                )
         self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         for entry in required:
@@ -567,9 +598,11 @@ class Daemon:
             if isinstance(entry.failure, ModelExistsError) and "model" in entry.failure.metadata:
                 self.health.require_instead(entry.name, entry.failure.metadata["model"])
         await self.health.started()
+        if not self.health.ready:
+            self.notifier.send(f"STATUS={self._not_ready_status()}")
         entries = self.store.entries()
         ready = [e for e in entries if e.state == "ready"]
-        failed = refused + len(entries) - len(ready)
+        failed = len(self.store.refusals) + len(entries) - len(ready)
         (log.error if failed else log.info)(
             "ready",
             socket=cfg.socket,
@@ -577,6 +610,15 @@ class Daemon:
             failed=failed,
             bytes=self.store.held_bytes(),
         )
+
+    def _not_ready_status(self) -> str:
+        """systemd's STATUS= once start-up ended without readiness: the models that are not
+        READY and why (``systemctl status`` shows it while the unit waits, instead of a
+        silent start; the unit's TimeoutStartSec= then applies)."""
+        failed = [f"{m.name}: {m.error}" for m in self.cache.models() if m.state == "failed"]
+        if not failed:
+            return "not ready: start-up ended, a required model is not READY"
+        return f"not ready: {len(failed)} model(s) FAILED: {'; '.join(failed)}"[:1000]
 
     def _grace(self) -> float:
         """Seconds in-flight RPCs get: ``config.grace``, but never past the end of the
@@ -654,11 +696,7 @@ def run_daemon(config: DaemonConfig) -> None:
     async def main() -> None:
         daemon = Daemon(config)
         loop = asyncio.get_running_loop()
-        signals.install(
-            loop,
-            lambda signum: daemon.stop(config.hand_over and signum == signal.SIGTERM),
-            lambda: daemon.stop(True),
-        )
+        signals.install(loop, daemon.on_signal, lambda: daemon.stop(True))
         await daemon.run()
 
     asyncio.run(main())

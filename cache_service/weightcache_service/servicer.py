@@ -16,7 +16,7 @@ from typing import Any, TypeVar, get_args
 
 import grpc
 
-from weightcache.core.errors import NotSameHostError, WeightCacheError
+from weightcache.core.errors import ModelNotFoundError, NotSameHostError, WeightCacheError
 from weightcache.core.protocol import (
     MAX_ID_CHARS,
     MAX_LEASES_PER_REQUEST,
@@ -25,6 +25,7 @@ from weightcache.core.protocol import (
     acquisition_from_pb,
     check_len,
     keepalive_response_pb,
+    lease_holder_pb,
     level_from_pb,
     model_pb,
     model_state_pb,
@@ -35,13 +36,15 @@ from weightcache.core.protocol import (
     tensor_views_pb,
     unlinked_arena_pb,
 )
-from weightcache.core.records import Grant, TensorFormat, TensorView
+from weightcache.core.records import Grant, TensorFormat, TensorView, WorkerDescription
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
-from weightcache_service.access import peer_is_local
+from weightcache_service.access import peer_is_local, peer_is_unix
 from weightcache_service.cache import Outbox, WeightCache
 from weightcache_service.interceptors import abort
-from weightcache_service.store import Entry
+from weightcache_service.peers import connections, holder
+from weightcache_service.refusals import RefusalLog
+from weightcache_service.store import Entry, clip
 
 #: KeepAlive answers queued for a peer before its stream is no longer read.
 MAX_PENDING_RESPONSES = 64
@@ -54,6 +57,8 @@ PROGRESS_INTERVAL = 0.25
 MAX_KEEPALIVES_PER_SECOND = 20.0
 #: The messages a stream may send at once before the rate applies.
 KEEPALIVE_BURST = 20.0
+#: ErrorInfo metadata keys written into a refusal's log line.
+_LOGGED_METADATA = ("model", "components", "cause", "environment", "field")
 
 R = TypeVar("R")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -67,6 +72,8 @@ def _unary(
         try:
             return await fn(self, request, context)
         except WeightCacheError as err:
+            if fn.__name__ != "Acquire":  # which logs its refusals with more fields
+                self.refusals.refused(fn.__name__, err.reason, err.detail, **_subject(request))
             await abort(context, err)
             raise AssertionError("unreachable: abort raises") from err
 
@@ -80,8 +87,13 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         cache: the models and leases served.
     """
 
-    def __init__(self, cache: WeightCache) -> None:
+    def __init__(
+        self, cache: WeightCache, socket: str = "", refusals: RefusalLog | None = None
+    ) -> None:
         self.cache = cache
+        #: The daemon's Unix socket: its connections are the peers ListLeases names.
+        self.socket = socket
+        self.refusals = refusals or RefusalLog()
         # Per model name and tensor format: its views (the cache's own tuple) and their
         # encoding, made at the first Acquire that asks for it; dropped at Evict, remade
         # when the name holds a new model.
@@ -105,6 +117,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 raise entry.failure
             yield _preload_response(entry)
         except WeightCacheError as err:
+            self.refusals.refused("Preload", err.reason, err.detail, **_subject(request))
             await abort(context, err)
 
     @_unary
@@ -127,10 +140,50 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         try:
             reply = self._acquire(request, context)
         except WeightCacheError as err:
-            self.cache.events.acquired(err.reason, time.perf_counter() - start)
+            probe = bool(request.files) and isinstance(err, ModelNotFoundError)
+            self.cache.events.acquired(err.reason, time.perf_counter() - start, probe)
+            self._log_acquire_refused(request, context, err)
             raise
         self.cache.events.acquired("", time.perf_counter() - start)
         return reply
+
+    def _log_acquire_refused(
+        self, request: pb.AcquireRequest, context: Context, err: WeightCacheError
+    ) -> None:
+        # Read from the raw request: a refusal at decode (INVALID_ARGUMENT) is logged too,
+        # with every string clipped as in error messages.
+        probe = bool(request.files) and isinstance(err, ModelNotFoundError)
+        self.refusals.refused(
+            "Acquire",
+            err.reason,
+            err.detail,
+            debug=probe,
+            path=clip(request.checkpoint_path),
+            fingerprint=clip(request.fingerprint.digest)[:16],
+            match="files" if request.files else "fingerprint",
+            fingerprint_level=pb.FingerprintLevel.Name(request.fingerprint.level).removeprefix(
+                "FINGERPRINT_LEVEL_"
+            ),
+            peer=lambda: self._peer(request, context),
+            **{k: v for k, v in err.metadata.items() if k in _LOGGED_METADATA},
+        )
+
+    def _peer(self, request: pb.AcquireRequest, context: Context) -> dict[str, object]:
+        """The peer as the daemon sees it (the transport's address; on the Unix socket,
+        its connection's credentials when they can be told apart: :mod:`.peers`) and as
+        the worker describes itself."""
+        fields: dict[str, object] = {"peer": context.peer(), "pid": request.pid}
+        worker = request.worker
+        if worker.hostname or worker.label:
+            fields.update(hostname=clip(worker.hostname), label=clip(worker.label))
+        if self.socket and peer_is_unix(context.peer()):
+            description = WorkerDescription(
+                pid=worker.pid or request.pid, pid_namespace=worker.pid_namespace
+            )
+            creds = holder(description, connections(self.socket))
+            if creds is not None:
+                fields.update(peer_pid=creds.pid, peer_uid=creds.uid, peer_gid=creds.gid)
+        return fields
 
     def _acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         self.cache.check_open()
@@ -198,10 +251,30 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         return pb.EvictResponse(model=model_pb(evicted))
 
     @_unary
+    async def ListLeases(
+        self, request: pb.ListLeasesRequest, context: Context
+    ) -> pb.ListLeasesResponse:
+        check_len("model", request.model, MAX_PATH_CHARS)
+        # Read off the event loop: one readlink and getsockopt per descriptor.
+        peers = await asyncio.to_thread(connections, self.socket) if self.socket else []
+        holders = self.cache.lease_holders(request.model, peers)
+        return pb.ListLeasesResponse(leases=[lease_holder_pb(h) for h in holders])
+
+    @_unary
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: Context
     ) -> pb.GetServerInfoResponse:
         return server_info_pb(self.cache.server_info())
+
+
+def _subject(request: Any) -> dict[str, Any]:
+    """What a request names, for a refusal's log line: a model's ``name`` or a ``path``."""
+    fields = {"name": "model", "path": "path"}
+    return {
+        key: clip(value)
+        for field_name, key in fields.items()
+        if isinstance(value := getattr(request, field_name, None), str) and value
+    }
 
 
 def _preload_response(entry: Entry) -> pb.PreloadResponse:

@@ -34,7 +34,12 @@ from weightcache.core.errors import (
     ResourceExhaustedError,
     WeightCacheError,
 )
-from weightcache.core.fingerprint import REQUEST_COMPONENTS, Fingerprint, compute_fingerprint
+from weightcache.core.fingerprint import (
+    REQUEST_COMPONENTS,
+    Fingerprint,
+    Level,
+    compute_fingerprint,
+)
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.core.records import LoadProgress, ModelInfo, ModelState, StorageHandle, TensorView
@@ -116,6 +121,45 @@ class Entry:
         )
 
 
+@dataclass
+class Refusal:
+    """A start-up model refused before it held anything: its path names no checkpoint, a
+    header is malformed, its recipe cannot be built. Kept so that ``ls``, ``health`` and
+    the metrics show it FAILED with its reason (there is no checkpoint, hence no
+    fingerprint), until it is evicted or preloaded again.
+
+    Attributes:
+        name: its name among the models (the path's basename, made unique).
+        path: the model argument as given (a path, or a Hub repo id not found).
+        failure: why it was refused.
+    """
+
+    name: str
+    path: str
+    recipe: Recipe
+    placement: Placement
+    level: Level
+    failure: WeightCacheError
+    create_time: float = field(default_factory=time.time)
+
+    def info(self) -> ModelInfo:
+        """The refusal as a FAILED model without fingerprint, bytes or tensors."""
+        return ModelInfo(
+            name=self.name,
+            state="failed",
+            fingerprint=Fingerprint("", self.level, {}),
+            path=self.path,
+            recipe=self.recipe,
+            placement=self.placement,
+            size_bytes=0,
+            tensor_count=0,
+            lease_count=0,
+            create_time=self.create_time,
+            progress=LoadProgress(),
+            error=f"{self.failure.reason}: {self.failure.detail}",
+        )
+
+
 class Store:
     """Every model of one daemon, by name.
 
@@ -130,6 +174,8 @@ class Store:
         self._make_arena = make_arena
         self.budget = budget
         self._entries: dict[str, Entry] = {}
+        #: Start-up models refused before they held anything, by name (listed FAILED).
+        self.refusals: dict[str, Refusal] = {}
         # Taken by a load thread to compare its completed fingerprint and turn READY.
         self._settling = threading.Lock()
 
@@ -191,7 +237,8 @@ class Store:
                     f"model {entry.name!r} already holds this fingerprint",
                     metadata={"model": entry.name},
                 )
-        name = self._unique_name(checkpoint, recipe, placement)
+        self.drop_refusals(str(checkpoint.root))
+        name = self._unique_name(str(checkpoint.root), recipe, placement)
         entry = Entry(name, checkpoint, recipe, placement, pipeline, fp)
         _plan(entry)
         if self.budget is not None:
@@ -229,7 +276,7 @@ class Store:
                 anything it raises).
         """
         if name in self._entries:
-            name = self._unique_name(checkpoint, recipe, placement)
+            name = self._unique_name(str(checkpoint.root), recipe, placement)
         entry = Entry(name, checkpoint, recipe, placement, pipeline, fp)
         _plan(entry)
         entry.arena = arena_of(entry.size)
@@ -257,14 +304,35 @@ class Store:
         entry.arena = None
         return entry
 
-    def _unique_name(self, checkpoint: Checkpoint, recipe: Recipe, placement: Placement) -> str:
-        base = os.path.basename(checkpoint.root) or "model"
+    def refuse(
+        self,
+        path: str,
+        recipe: Recipe,
+        placement: Placement,
+        level: Level,
+        failure: WeightCacheError,
+    ) -> Refusal:
+        """Keep a start-up model refused before it held anything (:class:`Refusal`)."""
+        failure.__traceback__ = failure.__context__ = failure.__cause__ = None
+        name = self._unique_name(path.rstrip("/"), recipe, placement)
+        refusal = Refusal(name, path, recipe, placement, level, failure)
+        self.refusals[name] = refusal
+        return refusal
+
+    def drop_refusals(self, root: str) -> None:
+        """Forget the refusals of the checkpoint folder ``root`` (it is being loaded)."""
+        for name, refusal in list(self.refusals.items()):
+            if os.path.realpath(refusal.path) == root:
+                del self.refusals[name]
+
+    def _unique_name(self, root: str, recipe: Recipe, placement: Placement) -> str:
+        base = os.path.basename(root) or "model"
         if placement.tp_size > 1:
             base += f"-tp{placement.tp_rank}of{placement.tp_size}"
         if recipe.dtype:
             base += f"-{recipe.dtype.lower()}"
         name, n = base, 1
-        while name in self._entries:
+        while name in self._entries or name in self.refusals:
             n += 1
             name = f"{base}-{n}"
         return name
@@ -405,6 +473,19 @@ class Store:
                 metadata={"path": clip(path)},
             )
         _, entry, differing = best
+        if entry.fingerprint.level != fp.level:
+            raise FingerprintMismatchError(
+                f"held model {entry.name!r} was fingerprinted at level "
+                f"{entry.fingerprint.level!r}, this request at level {fp.level!r}: a "
+                "fingerprint at another level differs in every checkpoint file, whether or "
+                f"not the files changed; load with fingerprint_level="
+                f"{entry.fingerprint.level!r} (the daemon's --fingerprint-level)",
+                metadata={
+                    "model": entry.name,
+                    "components": ",".join(differing),
+                    "level": entry.fingerprint.level,
+                },
+            )
         dtype = entry.recipe.dtype or "as stored"
         held = (
             f"fingerprint level {entry.fingerprint.level}, dtype {dtype}, "

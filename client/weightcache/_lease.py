@@ -335,7 +335,10 @@ class KeepAliveSession:
             log.info("revoked lease ended", lease=lease.lease_id[:8], why=why)
             return
         lease.lost = LeaseLostError(f"lease {lease.lease_id[:8]} lost: {why}")
-        log.error("lease lost", lease=lease.lease_id[:8], why=why, policy=lease.policy)
+        # Under "ignore" (the CPU default) the mapping keeps its bytes: nothing is lost
+        # that the worker reads, so it is a warning, not an error.
+        emit = log.warning if lease.policy == "ignore" else log.error
+        emit("lease lost", lease=lease.lease_id[:8], why=why, policy=lease.policy)
         try:
             if lease.on_lost is not None:
                 lease.on_lost(lease.lost)

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import socket
 import time
 import uuid
 from collections.abc import Callable, Hashable, Iterator
@@ -73,11 +74,14 @@ from weightcache.core.fingerprint import (
     request_components,
 )
 from weightcache.core.protocol import (
+    MAX_HOSTNAME_CHARS,
+    MAX_ID_CHARS,
     acquire_request_pb,
     fingerprint_from_pb,
     lease_from_pb,
     storage_from_pb,
     view_columns_from_pb,
+    worker_pb,
 )
 from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
 from weightcache.core.records import (
@@ -87,9 +91,10 @@ from weightcache.core.records import (
     SharedMemoryHandle,
     StorageHandle,
     ViewColumns,
+    WorkerDescription,
 )
 from weightcache.core.rpc import call_shared
-from weightcache.core.sockets import default_socket
+from weightcache.core.sockets import default_socket, no_socket, socket_denied
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1.weight_cache_service_pb2_grpc import WeightCacheServiceStub
@@ -566,6 +571,7 @@ class _Attach:
         checkpoint: Checkpoint | Path,
     ) -> LoadedWeights:
         owner = self._check_socket()
+        request.worker.CopyFrom(worker_pb(describe_worker(self.mode)))
         # Copy mode keeps no lease to share: no key is made for it.
         key = self._sharing_key(request) if self.mode == "zero_copy" else None
         if key is not None and (held := _sharing.take(key)) is not None:
@@ -680,12 +686,10 @@ class _Attach:
             try:
                 return check_socket(self.socket, self.trusted)
             except PermissionError as exc:
-                raise DaemonUnavailableError(
-                    f"cannot reach the daemon socket {self.socket}: {exc.strerror}"
-                ) from None
+                raise DaemonUnavailableError(socket_denied(self.socket, exc.strerror)) from None
             except FileNotFoundError:
                 if time.monotonic() + RETRY_INTERVAL > deadline:
-                    raise DaemonUnavailableError(f"no daemon socket at {self.socket}") from None
+                    raise DaemonUnavailableError(no_socket(self.socket)) from None
                 time.sleep(RETRY_INTERVAL)
 
     def _map(
@@ -705,6 +709,26 @@ class _Attach:
         if isinstance(storage, CudaIpcHandle):
             return open_cuda_ipc(storage, views, copy=copy), storage, views
         return open_shared_memory(storage, views, copy=copy, owner=owner), storage, views
+
+
+#: The environment variable whose value a worker sends as its label (ListLeases).
+ENV_LABEL = "WEIGHTCACHE_LABEL"
+
+
+def describe_worker(mode: str) -> WorkerDescription:
+    """This process as it describes itself in an Acquire: its pid, host name, label
+    (``$WEIGHTCACHE_LABEL``, cut to 128 characters), pid namespace and ``mode``."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0  # not Linux, or no procfs
+    return WorkerDescription(
+        pid=os.getpid(),
+        hostname=socket.gethostname()[:MAX_HOSTNAME_CHARS],
+        label=os.environ.get(ENV_LABEL, "")[:MAX_ID_CHARS],
+        pid_namespace=namespace,
+        mode=mode,
+    )
 
 
 def _acquire_request(

@@ -30,11 +30,27 @@ import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import rfc8785
 
 from weightcache.core.hashcache import cached_sha256, fd_sha256
+from weightcache.core.levels import DEFAULT_LEVEL, LEVELS, Level
+
+# Their home is core.levels; importers of the fingerprint code find them here too.
+__all__ = [
+    "DEFAULT_LEVEL",
+    "FORMAT",
+    "LEVELS",
+    "REQUEST_COMPONENTS",
+    "SAMPLE_BYTES",
+    "Fingerprint",
+    "Level",
+    "cached_digests",
+    "compute_fingerprint",
+    "pending_fingerprint",
+    "request_components",
+]
 
 if TYPE_CHECKING:
     # Imported for annotations only: the levels and the Fingerprint value import no torch,
@@ -46,10 +62,6 @@ if TYPE_CHECKING:
 #: algorithm is then a mismatch of that component, never a silent one.
 FORMAT = "weightcache.fingerprint/2"
 SAMPLE_BYTES = 64
-Level = Literal["layout", "sampled", "full"]
-LEVELS: tuple[Level, ...] = ("layout", "sampled", "full")
-#: The level used when none is named: by the daemon, the SDK and the wire (UNSPECIFIED).
-DEFAULT_LEVEL: Level = "full"
 
 
 @dataclass(frozen=True)

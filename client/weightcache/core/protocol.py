@@ -5,7 +5,9 @@ from a domain object, ``*_from_pb`` reads one back (the two round-trip to an equ
 The checks a request must pass before it means anything (string lengths, digest format,
 list sizes) run while decoding and raise :class:`InvalidArgumentError` with
 ``metadata["field"]`` naming the field. Errors cross the wire as a gRPC status carrying one
-``google.rpc.ErrorInfo`` (AIP-193): :func:`to_grpc_status` and :func:`from_rpc_error`.
+``google.rpc.ErrorInfo`` (AIP-193): :func:`~weightcache.core.status.to_grpc_status` and
+:func:`~weightcache.core.status.from_rpc_error`, in the torch-free
+:mod:`weightcache.core.status`.
 """
 
 from __future__ import annotations
@@ -13,24 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-import grpc
-from google.protobuf import any_pb2, duration_pb2, timestamp_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.protobuf import duration_pb2, timestamp_pb2
 
 # MAX_FILES bounds an Acquire by file identity: as many files as a worker lists.
 from weightcache.core.checkpoint import MAX_FILES, FileIdentity
 from weightcache.core.dtypes import itemsize
-from weightcache.core.errors import (
-    DAEMON_ERRORS,
-    ERROR_DOMAIN,
-    DaemonUnavailableError,
-    HandleError,
-    InvalidArgumentError,
-    RemoteError,
-    WeightCacheError,
-    error_for_reason,
-)
+from weightcache.core.errors import HandleError, InvalidArgumentError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, Fingerprint, Level
 from weightcache.core.plugins import PluginStep
 from weightcache.core.recipe import Placement, Recipe, parse_dtype
@@ -39,12 +29,14 @@ from weightcache.core.records import (
     CudaIpcHandle,
     Environment,
     Grant,
+    LeaseHolder,
     LeaseInfo,
     LeaseState,
     LeaseStatus,
     LoadProgress,
     ModelInfo,
     ModelState,
+    PeerCredentials,
     ServerInfo,
     SharedMemoryHandle,
     StorageHandle,
@@ -52,6 +44,7 @@ from weightcache.core.records import (
     TensorView,
     UnlinkedArena,
     ViewColumns,
+    WorkerDescription,
 )
 from weightcache.core.tp import TPPlan, over_bounds
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -62,6 +55,8 @@ MAX_PATH_CHARS = 4096
 MAX_COMPONENTS = 10_000
 MAX_LEASES_PER_REQUEST = 4096
 MAX_RECIPE_ITEMS = 256
+#: A host name (RFC 1035: 253 characters and a final dot).
+MAX_HOSTNAME_CHARS = 255
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -422,6 +417,56 @@ def lease_status_from_pb(message: pb.LeaseStatus) -> LeaseStatus:
     )
 
 
+def worker_pb(worker: WorkerDescription) -> pb.WorkerDescription:
+    """A worker's description of itself as its wire message."""
+    return pb.WorkerDescription(
+        pid=worker.pid,
+        hostname=worker.hostname,
+        label=worker.label,
+        pid_namespace=worker.pid_namespace,
+        mode=worker.mode,
+    )
+
+
+def worker_from_pb(message: pb.WorkerDescription) -> WorkerDescription:
+    """A wire worker description, checked.
+
+    Raises:
+        InvalidArgumentError: ``hostname`` over :data:`MAX_HOSTNAME_CHARS`, ``label`` or
+            ``mode`` over :data:`MAX_ID_CHARS` characters (``field`` names which).
+    """
+    check_len("worker.hostname", message.hostname, MAX_HOSTNAME_CHARS)
+    check_len("worker.label", message.label, MAX_ID_CHARS)
+    check_len("worker.mode", message.mode, MAX_ID_CHARS)
+    return WorkerDescription(
+        pid=message.pid,
+        hostname=message.hostname,
+        label=message.label,
+        pid_namespace=message.pid_namespace,
+        mode=message.mode,
+    )
+
+
+def peer_pb(peer: PeerCredentials) -> pb.PeerCredentials:
+    """Peer credentials as their wire message."""
+    return pb.PeerCredentials(pid=peer.pid, uid=peer.uid, gid=peer.gid)
+
+
+def lease_holder_pb(holder: LeaseHolder) -> pb.LeaseHolder:
+    """A live lease and who holds it as its wire message."""
+    message = pb.LeaseHolder(
+        lease=lease_pb(holder.lease),
+        state=_LEASE_STATE_TO_PB[holder.state],
+        create_time=timestamp_pb(holder.create_time),
+        worker=worker_pb(holder.worker),
+    )
+    if holder.peer is not None:
+        message.peer.CopyFrom(peer_pb(holder.peer))
+    if holder.revoke_deadline is not None:
+        message.revoke_deadline.CopyFrom(timestamp_pb(holder.revoke_deadline))
+    return message
+
+
 def keepalive_response_pb(
     instance_id: str, statuses: Iterable[LeaseStatus], *, hand_over: bool = False
 ) -> pb.KeepAliveResponse:
@@ -597,6 +642,7 @@ def acquire_request_pb(acquisition: Acquisition) -> pb.AcquireRequest:
         pid=acquisition.pid,
         files=[checkpoint_file_pb(name, i) for name, i in acquisition.files.items()],
         tensor_format=_FORMAT_PB[acquisition.tensor_format],
+        worker=worker_pb(acquisition.worker),
     )
     if acquisition.ttl is not None:
         request.ttl.CopyFrom(duration_pb(acquisition.ttl))
@@ -612,7 +658,8 @@ def acquisition_from_pb(request: pb.AcquireRequest) -> Acquisition:
             fingerprint (:func:`fingerprint_from_pb`; by file identity, only its
             component count is checked), a negative ``ttl``, over :data:`MAX_FILES` files
             (``field=files``) or a file name over :data:`MAX_PATH_CHARS` characters
-            (``field=files.name``); ``field`` names which.
+            (``field=files.name``), a worker description over its bounds
+            (:func:`worker_from_pb`); ``field`` names which.
     """
     check_len("request_id", request.request_id, MAX_ID_CHARS)
     check_len("checkpoint_path", request.checkpoint_path, MAX_PATH_CHARS)
@@ -630,6 +677,11 @@ def acquisition_from_pb(request: pb.AcquireRequest) -> Acquisition:
         pid=request.pid,
         files=files,
         tensor_format=_FORMAT_FROM_PB.get(request.tensor_format, "views"),
+        worker=(
+            worker_from_pb(request.worker)
+            if request.HasField("worker")
+            else WorkerDescription(pid=request.pid)  # a worker older than the field
+        ),
     )
 
 
@@ -771,45 +823,3 @@ def unlinked_arena_from_pb(message: pb.UnlinkedArena) -> UnlinkedArena:
         lease_count=message.lease_count,
         unlink_time=timestamp_from_pb(message.unlink_time),
     )
-
-
-# -- errors -----------------------------------------------------------------------------
-
-
-def to_grpc_status(error: WeightCacheError) -> grpc.Status:
-    """The gRPC status (code, message, trailer) for an error.
-
-    The code is the ``status_code`` of the class that :data:`DAEMON_ERRORS` names for the
-    error's reason; any other reason is sent as INTERNAL. The trailer carries one
-    ``google.rpc.ErrorInfo`` (domain ``weightcache.v1``, the reason, string metadata).
-    """
-    cls = DAEMON_ERRORS.get(error.reason, WeightCacheError)
-    info = error_details_pb2.ErrorInfo(
-        reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata
-    )
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    status = status_pb2.Status(
-        code=code_pb2.Code.Value(cls.status_code), message=error.detail, details=[detail]
-    )
-    return rpc_status.to_status(status)
-
-
-def from_rpc_error(exc: grpc.RpcError) -> WeightCacheError:
-    """The exception a gRPC error stands for.
-
-    A status with an ErrorInfo gives the class of its reason (:func:`error_for_reason`);
-    UNAVAILABLE or DEADLINE_EXCEEDED without one gives :class:`DaemonUnavailableError`;
-    anything else a :class:`RemoteError` named after its code.
-    """
-    status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
-    if status is not None:
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info):
-                return error_for_reason(info.reason, status.message, info.metadata)
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    text = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
-        return DaemonUnavailableError(f"daemon unavailable: {text}")
-    return RemoteError(f"{code}: {text}", reason=str(code.name if code else "UNKNOWN"))

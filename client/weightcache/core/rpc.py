@@ -13,6 +13,7 @@ import grpc
 from weightcache.core.errors import DaemonUnavailableError, WeightCacheError
 from weightcache.core.forking import calling, opened_channel
 from weightcache.core.per_process import PerProcess
+from weightcache.core.sockets import no_socket, socket_denied
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
@@ -49,11 +50,9 @@ def connect(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
     try:
         os.stat(socket)
     except FileNotFoundError:
-        raise DaemonUnavailableError(f"no daemon socket at {socket}") from None
+        raise DaemonUnavailableError(no_socket(socket)) from None
     except PermissionError as exc:
-        raise DaemonUnavailableError(
-            f"cannot reach the daemon socket {socket}: {exc.strerror}"
-        ) from None
+        raise DaemonUnavailableError(socket_denied(socket, exc.strerror)) from None
     with calling():
         opened_channel()
         channel = grpc.insecure_channel(
@@ -78,9 +77,9 @@ def call(fn: Callable[[], T]) -> T:
 
 
 def _error(exc: grpc.RpcError) -> WeightCacheError:
-    # Imported on a refusal only: the conversions import torch, and the admin commands
-    # (`weightcache health`, the probes) must start without it.
-    from weightcache.core.protocol import from_rpc_error
+    # Imported on a refusal only (google.rpc's messages): torch-free, as the admin commands
+    # (`weightcache evict`, `health`, the probes) must start without it.
+    from weightcache.core.status import from_rpc_error
 
     return from_rpc_error(exc)
 

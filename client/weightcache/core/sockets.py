@@ -90,6 +90,33 @@ def runtime_dir() -> str:
     return f"/tmp/weightcache-{os.geteuid()}"
 
 
+def no_socket(socket: str) -> str:
+    """Why a worker or command finds nothing at ``socket``, with the rule that named it
+    and what a user other than the daemon's sets (a message for a
+    :class:`~weightcache.core.errors.DaemonUnavailableError`)."""
+    if os.environ.get(ENV_SOCKET):
+        how = f"${ENV_SOCKET}"
+    else:
+        how = (
+            f"the runtime dir {runtime_dir()} (${ENV_RUNTIME_DIR}, else {SYSTEM_RUNTIME_DIR} "
+            "as root, $XDG_RUNTIME_DIR/weightcache, /tmp/weightcache-<uid>)"
+        )
+    return (
+        f"no daemon socket at {socket} (named by {how}); a process that does not run as "
+        f"the daemon's user sets ${ENV_RUNTIME_DIR} or ${ENV_SOCKET} to the daemon's"
+    )
+
+
+def socket_denied(socket: str, strerror: str | None) -> str:
+    """Why a worker or command may not connect to ``socket``: the socket and its folder
+    are the daemon's user's only, unless the daemon runs with ``--group``."""
+    return (
+        f"cannot reach the daemon socket {socket}: {strerror or 'Permission denied'}; the "
+        "socket and its folder are the daemon's user's only, unless the daemon runs with "
+        "--group GROUP (folder 0750, socket 0660) and this process is in that group"
+    )
+
+
 def socket_name(device: DeviceLike) -> str:
     """``cpu.sock``, or ``GPU-<uuid>.sock`` (the UUID as ``nvidia-smi -L`` prints it).
 

@@ -353,7 +353,7 @@ class UnlinkedArena(_message.Message):
     def __init__(self, model: _Optional[str] = ..., size_bytes: _Optional[int] = ..., lease_count: _Optional[int] = ..., unlink_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid", "files", "tensor_format")
+    __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid", "files", "tensor_format", "worker")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +362,7 @@ class AcquireRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fingerprint: Fingerprint
     checkpoint_path: str
@@ -370,7 +371,22 @@ class AcquireRequest(_message.Message):
     pid: int
     files: _containers.RepeatedCompositeFieldContainer[CheckpointFile]
     tensor_format: TensorFormat
-    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., pid: _Optional[int] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., tensor_format: _Optional[_Union[TensorFormat, str]] = ...) -> None: ...
+    worker: WorkerDescription
+    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., pid: _Optional[int] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., tensor_format: _Optional[_Union[TensorFormat, str]] = ..., worker: _Optional[_Union[WorkerDescription, _Mapping]] = ...) -> None: ...
+
+class WorkerDescription(_message.Message):
+    __slots__ = ("pid", "hostname", "label", "pid_namespace", "mode")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    hostname: str
+    label: str
+    pid_namespace: int
+    mode: str
+    def __init__(self, pid: _Optional[int] = ..., hostname: _Optional[str] = ..., label: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class CheckpointFile(_message.Message):
     __slots__ = ("name", "dev", "ino", "size", "mtime_ns", "ctime_ns")
@@ -485,3 +501,41 @@ class GetServerInfoResponse(_message.Message):
     start_time: _timestamp_pb2.Timestamp
     memory_unlinked_bytes: int
     def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., memory_held_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., memory_unlinked_bytes: _Optional[int] = ...) -> None: ...
+
+class ListLeasesRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListLeasesResponse(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseHolder]
+    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseHolder, _Mapping]]] = ...) -> None: ...
+
+class LeaseHolder(_message.Message):
+    __slots__ = ("lease", "state", "create_time", "revoke_deadline", "worker", "peer")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    state: LeaseState
+    create_time: _timestamp_pb2.Timestamp
+    revoke_deadline: _timestamp_pb2.Timestamp
+    worker: WorkerDescription
+    peer: PeerCredentials
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., state: _Optional[_Union[LeaseState, str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoke_deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., worker: _Optional[_Union[WorkerDescription, _Mapping]] = ..., peer: _Optional[_Union[PeerCredentials, _Mapping]] = ...) -> None: ...
+
+class PeerCredentials(_message.Message):
+    __slots__ = ("pid", "uid", "gid")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    uid: int
+    gid: int
+    def __init__(self, pid: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ...) -> None: ...
