@@ -16,9 +16,11 @@ whole checkpoint and the placement, with the step's parameters as it resolves th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,15 +162,8 @@ def _model_step(
         )
     step, plugin = plugins[0]
     assert isinstance(plugin, ModelPlugin)
-    try:
+    with _plugin_code(step):
         params = plugin.resolve(root, placement, dict(step.params))
-    except RecipeError:
-        raise
-    except Exception as exc:
-        # Plugin code is not ours: whatever it raises, the recipe cannot apply.
-        raise RecipeError(
-            f"recipe plugin {step.name!r} failed: {type(exc).__name__}: {exc}"
-        ) from None
     return PluginStep(step.name, params), plugin
 
 
@@ -179,11 +174,20 @@ def _build_model(
     placement: Placement,
 ) -> dict[str, Node]:
     assert isinstance(plugin, ModelPlugin)
+    with _plugin_code(step):
+        nodes = plugin.build_model(checkpoint, placement, dict(step.params))
+    return nodes
+
+
+@contextlib.contextmanager
+def _plugin_code(step: PluginStep) -> Iterator[None]:
+    """Run a model plugin's code: its RecipeError as it is, anything else as one."""
     try:
-        return plugin.build_model(checkpoint, placement, dict(step.params))
+        yield
     except RecipeError:
         raise
     except Exception as exc:
+        # Plugin code is not ours: whatever it raises, the recipe cannot apply.
         raise RecipeError(
             f"recipe plugin {step.name!r} failed: {type(exc).__name__}: {exc}"
         ) from None
