@@ -288,9 +288,10 @@ def measure(
     cold: bool,
     expected: int,
     extra: Sequence[str] = (),
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
     """Run every mode of ``modes`` ``repeat`` times, interleaved (``extra``: further worker
-    arguments); returns seconds per mode with the touch, and to the load call's return.
+    arguments); returns seconds per mode with the touch, to the load call's return, and
+    with every byte read (``read_seconds``; the touch's for a mode that reads nothing).
 
     Raises:
         BenchError: a worker failed, loaded from the wrong source or saw the wrong number
@@ -298,8 +299,10 @@ def measure(
     """
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
     loads: dict[str, list[float]] = {mode: [] for mode in modes}
+    reads: dict[str, list[float]] = {mode: [] for mode in modes}
     sources = dict.fromkeys(("attach", "copy"), "cache")
-    sources |= dict.fromkeys(("disk", "safetensors", "safe_open", "torch_load", "mmap"), "disk")
+    disk = ("disk", "fallback", "safetensors", "safe_open", "torch_load", "mmap")
+    sources |= dict.fromkeys(disk, "disk")
     for _ in range(repeat):
         for mode in modes:
             if cold:
@@ -312,7 +315,8 @@ def measure(
                 )
             seconds[mode].append(result["seconds"])
             loads[mode].append(result["load_seconds"])
-    return seconds, loads
+            reads[mode].append(result.get("read_seconds", result["seconds"]))
+    return seconds, loads, reads
 
 
 def fmt_seconds(value: float) -> str:
@@ -446,7 +450,7 @@ def run_count(args: argparse.Namespace, count: int, tmp: Path) -> None:
     generate(folder, specs, args)
     with preloaded(folder, tmp, timeout=900) as daemon:
         print()
-        seconds, loads = measure(
+        seconds, loads, _ = measure(
             folder,
             daemon.socket,
             tmp,

@@ -5,12 +5,19 @@ Usage::
     python bench/attach_worker.py MODE MODEL_DIR --socket S --out F [--pt FILE]
 
 MODE is one of attach, copy, disk, safetensors, fingerprint, rpc (``attach_vs_disk.py``)
-or safe_open, torch_load, mmap (the other loaders ``matrix.py`` compares).
+or fallback, safe_open, torch_load, mmap (the other loaders ``matrix.py`` compares):
+``fallback`` is ``weightcache.load`` with a socket no daemon listens on (``S.absent``), so
+that it loads from disk with ``DAEMON_UNAVAILABLE``, the path of a worker without daemon;
+``idle`` loads nothing (the imports alone: the baseline of a memory measurement).
+With ``--hold`` the worker then prints ``ready`` and keeps what it loaded until its stdin
+closes, so that ``matrix.py`` can read its memory beside its siblings'.
 
-Writes ``{"seconds", "load_seconds", "source", "tensors", "touched"}`` as JSON to ``--out``.
-What is timed starts after the imports: the load call, then reading the first byte of
-every tensor (so a zero-copy attach pays for one page fault per tensor, not for every
-byte); ``load_seconds`` stops before that touch (``seconds`` includes it). For
+Writes ``{"seconds", "load_seconds", "read_seconds", "source", "tensors", "touched"}`` as
+JSON to ``--out``. What is timed starts after the imports: the load call, then reading the
+first byte of every tensor (so a zero-copy attach pays for one page fault per tensor, not
+for every byte), then every byte of every tensor (:func:`read_all`); ``load_seconds``
+stops before that touch (the call returns), ``seconds`` after it, ``read_seconds`` after
+every byte was read (the loaders that map files pay their page faults there). For
 ``safetensors`` the load is ``safetensors.torch.load_file`` of every shard; for
 ``fingerprint`` it is ``open_checkpoint`` plus the sampled ``compute_fingerprint``; for
 ``rpc``, a new gRPC channel to the daemon (``weightcache.core.rpc.connect``, as the SDK
@@ -36,6 +43,7 @@ import argparse
 import ctypes
 import json
 import mmap
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,8 +63,8 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 RPC_TIMEOUT = 60.0
 
 MODES = (
-    "attach", "copy", "disk", "safetensors", "fingerprint", "rpc", "safe_open", "torch_load",
-    "mmap",
+    "attach", "copy", "disk", "fallback", "safetensors", "fingerprint", "rpc", "safe_open",
+    "torch_load", "mmap", "idle",
 )  # fmt: skip
 
 
@@ -67,6 +75,30 @@ def touch(tensors: dict[str, torch.Tensor]) -> int:
     about 6 µs, more than an attach of the tensor itself."""
     read = ctypes.string_at
     return sum(read(t.data_ptr(), 1)[0] for t in tensors.values() if t.numel())
+
+
+#: What :func:`timed` loaded, kept alive until the process ends (``--hold``).
+KEPT: list[dict[str, torch.Tensor]] = []
+#: Bytes :func:`read_all` copies at a time (its scratch buffer, allocated before the clock).
+READ_CHUNK = 1 << 20
+_SCRATCH = ctypes.create_string_buffer(READ_CHUNK)
+
+
+def read_all(tensors: dict[str, torch.Tensor]) -> int:
+    """Read every byte of every (CPU) tensor: ``memmove`` it, a chunk at a time, into one
+    scratch buffer allocated before the clock, so that a mapped tensor pays for all its
+    page faults and a copied one for its memory traffic, and nothing is allocated.
+    Returns the bytes read."""
+    move, scratch, total = ctypes.memmove, _SCRATCH, 0
+    for tensor in tensors.values():
+        address, left = tensor.data_ptr(), tensor.nbytes
+        total += left
+        while left > 0:
+            step = min(left, READ_CHUNK)
+            move(scratch, address, step)
+            address += step
+            left -= step
+    return total
 
 
 def load_and_touch(
@@ -81,6 +113,8 @@ def load_and_touch(
             model_dir, socket=socket, mode="copy", fallback=False, fingerprint_level=level
         ),
         "disk": lambda: load_from_disk(model_dir),
+        # load()'s own fallback: no daemon answers on this socket (DAEMON_UNAVAILABLE).
+        "fallback": lambda: load(model_dir, socket=f"{socket}.absent", fingerprint_level=level),
     }
     held: list[weightcache.LoadedWeights] = []
 
@@ -95,16 +129,21 @@ def load_and_touch(
 
 
 def timed(load: Callable[[], dict[str, torch.Tensor]], source: str) -> dict[str, object]:
-    """Time ``load`` alone (``load_seconds``) and with the touch of what it returns
-    (``seconds``); the result fields."""
+    """Time ``load`` alone (``load_seconds``), with the touch of what it returns
+    (``seconds``), and then with every byte of it read (``read_seconds``, from the same
+    start: the load, the touch, then :func:`read_all`); the result fields."""
     start = time.perf_counter()
     tensors = load()
+    KEPT.append(tensors)  # for --hold; after the clock stopped
     loaded = time.perf_counter()
     touched = touch(tensors)
     seconds = time.perf_counter() - start
+    read_all(tensors)
+    read_seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
         "load_seconds": loaded - start,
+        "read_seconds": read_seconds,
         "source": source,
         "tensors": len(tensors),
         "touched": touched,
@@ -248,10 +287,18 @@ def main() -> None:
     parser.add_argument(
         "--level", choices=LEVELS, default=DEFAULT_LEVEL, help="fingerprint level (attach, copy)"
     )
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="after the result, print 'ready' and keep the weights until stdin closes",
+    )
     args = parser.parse_args()
     if args.mode == "torch_load" and not args.pt:
         parser.error("torch_load needs --pt")
-    if args.mode == "fingerprint":
+    if args.mode == "idle":
+        result = {"seconds": 0.0, "load_seconds": 0.0, "read_seconds": 0.0, "source": "-"}
+        result |= {"tensors": 0, "touched": 0}
+    elif args.mode == "fingerprint":
         result = fingerprint_only(args.model_dir)
     elif args.mode == "safetensors":
         result = safetensors_and_touch(args.model_dir)
@@ -267,6 +314,11 @@ def main() -> None:
         result = load_and_touch(args.mode, args.model_dir, args.socket, args.level)
     with open(args.out, "w") as out:
         json.dump(result, out)
+    if args.hold:
+        # Every byte of what was loaded is read by now: the parent reads this process's
+        # /proc/PID/smaps_rollup while it and its siblings hold their weights.
+        print("ready", flush=True)
+        sys.stdin.read()
 
 
 if __name__ == "__main__":

@@ -28,13 +28,16 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
+import math
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,6 +59,8 @@ from attach_vs_disk import (
 from attach_worker import shards
 from safetensors.torch import load_file
 
+from weightcache.testing import Daemon
+
 QUICK_TENSORS = (100, 1000)
 QUICK_SIZES_MIB = (64,)
 FULL_TENSORS = (100, 1000, 10_000, 100_000)
@@ -70,6 +75,7 @@ TIMED = {
     "attach": "weightcache.load(dir, socket=S, fallback=False) [zero_copy]",
     "copy": 'weightcache.load(dir, socket=S, mode="copy", fallback=False)',
     "disk": "weightcache.load_from_disk(dir)",
+    "fallback": "weightcache.load(dir, socket=<none there>): its DAEMON_UNAVAILABLE fallback",
 }
 MODES = tuple(TIMED)
 #: mode -> the worker's name for it, where they differ.
@@ -83,6 +89,7 @@ STYLE = {
     "attach": ("-", "D"),
     "copy": ("-", "^"),
     "disk": ("-", "P"),
+    "fallback": ("-", "*"),
 }
 HOW_TO_PLOT = (
     "matplotlib is not installed, so no plot: `make bench` installs it (the `bench` extra,\n"
@@ -104,6 +111,11 @@ class Row:
     max_s: float
     runs: int
     ratio_vs_load_file: float  # load_file's median / this median; above 1 = faster
+    # The same runs: to the load call's return, and with every byte read.
+    load_median_s: float = math.nan
+    load_ratio_vs_load_file: float = math.nan
+    read_median_s: float = math.nan
+    read_ratio_vs_load_file: float = math.nan
 
 
 COLUMNS = tuple(f.name for f in fields(Row))
@@ -117,9 +129,13 @@ def write_pt(folder: Path, path: Path) -> None:
     torch.save(tensors, path)
 
 
-def run_cell(args: argparse.Namespace, count: int, size_mib: int, tmp: Path) -> list[Row]:
-    """Steps 1-5 of the module docstring for one cell, in ``tmp``; its rows."""
+def run_cell(
+    args: argparse.Namespace, count: int, size_mib: int, tmp: Path
+) -> tuple[list[Row], list[MemoryRow]]:
+    """Steps 1-5 of the module docstring for one cell, in ``tmp``; its rows, and its
+    memory rows (at the first tensor count of each size)."""
     folder, specs = new_checkpoint(tmp, count, size_mib * 2**20, args.seed)
+    args.cell = (count, size_mib, sum(s.nbytes for s in specs))
     title = f"weightcache benchmark matrix: {count} tensors, {size_mib} MiB"
     print_header(title, specs, args.shards, folder, "MiB")
     generate(folder, specs, args)
@@ -129,7 +145,7 @@ def run_cell(args: argparse.Namespace, count: int, size_mib: int, tmp: Path) -> 
     print(f"model.pt written in {time.monotonic() - begin:.1f} s", end="; ", flush=True)
     workers = [WORKER_MODE.get(mode, mode) for mode in args.modes]
     with preloaded(folder, tmp, timeout=900) as daemon:
-        by_worker, _ = measure(
+        by_worker, load_by_worker, read_by_worker = measure(
             folder,
             daemon.socket,
             tmp,
@@ -139,27 +155,143 @@ def run_cell(args: argparse.Namespace, count: int, size_mib: int, tmp: Path) -> 
             expected=len(specs),
             extra=["--pt", str(pt_file)],
         )
-    seconds = {mode: by_worker[WORKER_MODE.get(mode, mode)] for mode in args.modes}
+        if args.memory_workers and count == args.tensors[0]:
+            memory = measure_memory(folder, daemon, tmp, args, pt_file)
+        else:
+            memory = []
+    seconds, loads, reads = (
+        {mode: found[WORKER_MODE.get(mode, mode)] for mode in args.modes}
+        for found in (by_worker, load_by_worker, read_by_worker)
+    )
     print()
-    print_table(seconds, TIMED, 12, (), BASELINE, legend=False)  # the legend came first
-    base = statistics.median(seconds[BASELINE])
+    for title, table in (
+        ("the load call alone (to its return)", loads),
+        ("load + the first byte of every tensor", seconds),
+        ("load + every byte of every tensor", reads),
+    ):
+        print(f"  {title}:")
+        print_table(table, TIMED, 12, (), BASELINE, legend=False)  # the legend came first
     total = sum(s.nbytes for s in specs)
     rows = []
+    base, load_base, read_base = (statistics.median(t[BASELINE]) for t in (seconds, loads, reads))
     for mode in args.modes:
         runs = seconds[mode]
         median = statistics.median(runs)
-        ratio = base / median
+        load, read = statistics.median(loads[mode]), statistics.median(reads[mode])
         rows.append(
-            Row(count, size_mib, total, mode, median, min(runs), max(runs), len(runs), ratio)
+            Row(
+                count,
+                size_mib,
+                total,
+                mode,
+                median,
+                min(runs),
+                max(runs),
+                len(runs),
+                base / median,
+                load,
+                load_base / load,
+                read,
+                read_base / read,
+            )
         )
+    return rows, memory
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """The memory of ``workers`` processes holding one checkpoint's weights at once."""
+
+    tensors: int
+    size_mib: int
+    bytes: int
+    workers: int
+    mode: str
+    pss_mib: float  # the workers' Pss summed (/proc/PID/smaps_rollup), MiB
+    weights_mib: float  # pss_mib less that of as many idle workers (the imports alone)
+
+
+MEMORY_COLUMNS = tuple(f.name for f in fields(MemoryRow))
+#: The modes whose memory is measured, and the idle baseline (imports only).
+MEMORY_MODES = ("load_file", "disk", "attach", "copy")
+
+
+def pss_mib(pid: int) -> float:
+    """A process's proportional set size (``Pss`` of /proc/PID/smaps_rollup), in MiB: its
+    private pages plus its share of every page it maps with others."""
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    raise BenchError(f"/proc/{pid}/smaps_rollup has no Pss line")
+
+
+def held_pss(mode: str, folder: Path, socket: str, tmp: Path, *, workers: int, pt: Path) -> float:
+    """Start ``workers`` workers of ``mode`` at once with ``--hold``; once all have loaded
+    and read every byte, sum their Pss (MiB); then let them go.
+
+    Raises:
+        BenchError: a worker failed before it was ready.
+    """
+    worker = WORKER_MODE.get(mode, mode)
+    procs = []
+    try:
+        for i in range(workers):
+            command = [sys.executable, str(Path(__file__).with_name("attach_worker.py")), worker]
+            command += [str(folder), "--socket", socket, "--out", str(tmp / f"mem{i}.json")]
+            command += ["--pt", str(pt), "--hold"]
+            procs.append(
+                subprocess.Popen(
+                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                )
+            )
+        for proc in procs:
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != b"ready":
+                proc.wait()
+                assert proc.stderr is not None
+                raise BenchError(f"{mode} memory worker failed: {proc.stderr.read().decode()}")
+        return sum(pss_mib(proc.pid) for proc in procs)
+    finally:
+        for proc in procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc in procs:
+            proc.wait(timeout=60)
+            if proc.stdout is not None:
+                proc.stdout.close()
+            if proc.stderr is not None:
+                proc.stderr.close()
+
+
+def measure_memory(
+    folder: Path, daemon: Daemon, tmp: Path, args: argparse.Namespace, pt: Path
+) -> list[MemoryRow]:
+    """The memory rows of one cell: ``--memory-workers`` workers per mode of
+    :data:`MEMORY_MODES`, and as many idle ones; printed as a table."""
+    count, size_mib, total = args.cell
+    workers = args.memory_workers
+    idle = held_pss("idle", folder, daemon.socket, tmp, workers=workers, pt=pt)
+    rows = []
+    print(f"\n  memory: {workers} workers at once, each holding the weights after reading")
+    print("  every byte; Pss summed over the workers (/proc/PID/smaps_rollup), MiB:")
+    print(f"    {'idle':<12}{idle:>10.1f}   (the imports alone)")
+    for mode in MEMORY_MODES:
+        pss = held_pss(mode, folder, daemon.socket, tmp, workers=workers, pt=pt)
+        rows.append(MemoryRow(count, size_mib, total, workers, mode, pss, pss - idle))
+        print(f"    {mode:<12}{pss:>10.1f}   weights: {pss - idle:>8.1f}")
+    print(f"  (the checkpoint: {total / 2**20:.1f} MiB; the daemon's own memory is not counted)")
     return rows
 
 
-def write_csv(rows: Sequence[Row], path: Path) -> None:
-    """``rows`` as CSV with a header line (:data:`COLUMNS`)."""
+def write_csv(
+    rows: Sequence[Row] | Sequence[MemoryRow], path: Path, columns: Sequence[str] = COLUMNS
+) -> None:
+    """``rows`` as CSV with a header line (``columns``: :data:`COLUMNS`, or
+    :data:`MEMORY_COLUMNS` for memory rows)."""
     with path.open("w", newline="") as out:
         writer = csv.writer(out)
-        writer.writerow(COLUMNS)
+        writer.writerow(columns)
         for row in rows:
             values = astuple(row)
             writer.writerow(f"{v:.6g}" if isinstance(v, float) else v for v in values)
@@ -179,14 +311,35 @@ def read_csv(path: Path) -> list[Row]:
                 float(r["max_s"]),
                 int(r["runs"]),
                 float(r["ratio_vs_load_file"]),
+                # Absent from the CSVs written before issue 29.
+                *(float(r.get(column) or "nan") for column in COLUMNS[9:]),
             )
             for r in csv.DictReader(file)
         ]
 
 
-def plot(rows: Sequence[Row], path: Path, subtitle: str) -> bool:
+def read_memory_csv(path: Path) -> list[MemoryRow]:
+    """The memory rows of a CSV :func:`write_csv` wrote with :data:`MEMORY_COLUMNS`."""
+    with path.open(newline="") as file:
+        return [
+            MemoryRow(
+                int(r["tensors"]),
+                int(r["size_mib"]),
+                int(r["bytes"]),
+                int(r["workers"]),
+                r["mode"],
+                float(r["pss_mib"]),
+                float(r["weights_mib"]),
+            )
+            for r in csv.DictReader(file)
+        ]
+
+
+def plot(rows: Sequence[Row], path: Path, subtitle: str, memory: Sequence[MemoryRow] = ()) -> bool:
     """Draw the medians, log-log, one panel per size and one line per mode (the min-max
-    range shaded), to the PNG ``path``; False when matplotlib is not installed."""
+    range shaded), and with ``memory`` a last panel of bars (the weights' memory of N
+    workers per mode and size), to the PNG ``path``; False when matplotlib is not
+    installed."""
     try:
         import matplotlib
 
@@ -196,10 +349,9 @@ def plot(rows: Sequence[Row], path: Path, subtitle: str) -> bool:
         return False
     sizes = sorted({row.size_mib for row in rows})
     modes = [mode for mode in MODES if any(row.mode == mode for row in rows)]
-    fig, axes = plt.subplots(
-        1, len(sizes), figsize=(4.6 * len(sizes) + 1.8, 4.8), sharey=True, squeeze=False
-    )
-    for ax, size in zip(axes[0], sizes, strict=True):
+    panels = len(sizes) + bool(memory)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels + 1.8, 4.8), squeeze=False)
+    for ax, size in zip(axes[0][: len(sizes)], sizes, strict=True):
         for mode in modes:
             points = [r for r in rows if r.size_mib == size and r.mode == mode]
             line = sorted((r.tensors, r.median_s, r.min_s, r.max_s) for r in points)
@@ -215,6 +367,8 @@ def plot(rows: Sequence[Row], path: Path, subtitle: str) -> bool:
         ax.set_xlabel("tensors")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("median seconds: load + first byte of every tensor")
+    if memory:
+        _memory_panel(axes[0][-1], memory)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center right", title="mode")
     fig.suptitle(f"weightcache benchmark matrix\n{subtitle}", fontsize=10)
@@ -224,22 +378,46 @@ def plot(rows: Sequence[Row], path: Path, subtitle: str) -> bool:
     return True
 
 
+def _memory_panel(ax: Any, memory: Sequence[MemoryRow]) -> None:
+    """Bars: the weights' memory (Pss less idle workers') of N workers, per mode and
+    size."""
+    sizes = sorted({row.size_mib for row in memory})
+    modes = [mode for mode in MEMORY_MODES if any(row.mode == mode for row in memory)]
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        found = {row.size_mib: row.weights_mib for row in memory if row.mode == mode}
+        xs = [j + i * width for j in range(len(sizes))]
+        ax.bar(xs, [found.get(size, 0.0) for size in sizes], width, label=f"{mode} (memory)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))])
+    ax.set_xticklabels([f"{size} MiB" for size in sizes])
+    ax.set_ylabel(f"MiB: Pss of {memory[0].workers} workers less idle ones")
+    ax.set_title("memory of N workers holding the weights")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
 def print_summary(rows: Sequence[Row], modes: Sequence[str]) -> None:
-    """Every cell's medians, then ``load_file``'s median over each, one line per cell."""
+    """Every cell's medians, then ``load_file``'s median over each, one line per cell:
+    with the first byte read, to the call's return, and with every byte read."""
     cells = sorted({(row.size_mib, row.tensors) for row in rows})
     found = {(row.size_mib, row.tensors, row.mode): row for row in rows}
     head = f"  {'tensors':>8}{'MiB':>7}" + "".join(f"{mode:>12}" for mode in modes)
-    print("summary, medians:")
+    print("summary, medians (load + first byte of every tensor):")
     print(head)
     for size, count in cells:
         medians = "".join(f"{fmt_seconds(found[size, count, m].median_s):>12}" for m in modes)
         print(f"  {count:>8}{size:>7}{medians}")
-    print()
-    print(f"summary, {BASELINE} median / this median (above 1: faster than {BASELINE}):")
-    print(head)
-    for size, count in cells:
-        ratios = "".join(f"{found[size, count, m].ratio_vs_load_file:>11.2f}x" for m in modes)
-        print(f"  {count:>8}{size:>7}{ratios}")
+    for title, ratio in (
+        ("load + first byte of every tensor", "ratio_vs_load_file"),
+        ("the call returns", "load_ratio_vs_load_file"),
+        ("every byte read", "read_ratio_vs_load_file"),
+    ):
+        print()
+        print(f"summary, {title}: {BASELINE} median / this median (above 1: faster):")
+        print(head)
+        for size, count in cells:
+            ratios = "".join(f"{getattr(found[size, count, m], ratio):>11.2f}x" for m in modes)
+            print(f"  {count:>8}{size:>7}{ratios}")
 
 
 def print_setup(args: argparse.Namespace) -> None:
@@ -267,21 +445,27 @@ def run_matrix(args: argparse.Namespace, tmp: Path) -> bool:
     print_setup(args)
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / f"{args.name}.csv"
+    memory_path = args.out / f"{args.name}-memory.csv"
     rows: list[Row] = []
+    memory: list[MemoryRow] = []
     for size_mib in args.sizes_mib:
         for count in args.tensors:
             print("\n")
             here = tmp / f"n{count}-{size_mib}mib"
             here.mkdir()
-            rows += run_cell(args, count, size_mib, here)
+            cell, cell_memory = run_cell(args, count, size_mib, here)
+            rows += cell
+            memory += cell_memory
             shutil.rmtree(here)
             write_csv(rows, csv_path)  # after every cell: a failure keeps what was measured
+            if memory:
+                write_csv(memory, memory_path, MEMORY_COLUMNS)
     print("\n")
     print_summary(rows, args.modes)
     print()
-    print(f"wrote {csv_path}")
+    print(f"wrote {csv_path}" + (f" and {memory_path}" if memory else ""))
     png_path = csv_path.with_suffix(".png")
-    if plot(rows, png_path, machine_line().strip()):
+    if plot(rows, png_path, machine_line().strip(), memory):
         print(f"wrote {png_path}")
     else:
         print(HOW_TO_PLOT.format(csv=csv_path))
@@ -310,6 +494,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--name", help="file name stem (default matrix-quick/-full/-custom)")
     parser.add_argument("--plot-from", type=Path, metavar="CSV", help="only plot this CSV")
+    parser.add_argument(
+        "--memory-workers",
+        type=int,
+        default=4,
+        help="workers holding the weights at once, per memory mode (0: no memory rows)",
+    )
     args = parser.parse_args()
     args.grid = "custom" if args.tensors or args.sizes_mib else "full" if args.full else "quick"
     args.tensors = args.tensors or list(FULL_TENSORS if args.full else QUICK_TENSORS)
@@ -330,7 +520,9 @@ def main() -> int:
     args = parse_args()
     if args.plot_from:
         png_path = args.plot_from.with_suffix(".png")
-        if not plot(read_csv(args.plot_from), png_path, f"from {args.plot_from.name}"):
+        memory_csv = args.plot_from.with_name(f"{args.plot_from.stem}-memory.csv")
+        memory = read_memory_csv(memory_csv) if memory_csv.exists() else []
+        if not plot(read_csv(args.plot_from), png_path, f"from {args.plot_from.name}", memory):
             print(HOW_TO_PLOT.format(csv=args.plot_from), file=sys.stderr)
             return 1
         print(f"wrote {png_path}")

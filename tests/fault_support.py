@@ -353,6 +353,13 @@ def list_models(socket_path: str) -> dict[str, pb.Model]:
     return {m.name: m for m in reply.models}
 
 
+def unlinked(socket_path: str) -> list[tuple[str, int, int]]:
+    """The unlinked arenas ListModels reports: (model, bytes, revoked leases)."""
+    with service_stub(socket_path) as stub:
+        reply = stub.ListModels(pb.ListModelsRequest(), timeout=10)
+    return [(u.model, u.size_bytes, u.lease_count) for u in reply.unlinked]
+
+
 def server_info(socket_path: str) -> pb.GetServerInfoResponse:
     with service_stub(socket_path) as stub:
         reply: pb.GetServerInfoResponse = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)

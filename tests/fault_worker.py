@@ -32,7 +32,8 @@ Worker commands (``key`` names one loaded result):
 - ``wait_ack {key, seconds}``: wait until the daemon acknowledged a renewal sent after the
   load returned (then the lease is bound to this process's KeepAlive stream).
 - ``wait_lost {key, seconds}``: wait for the lease's loss to be handled.
-- ``lease {key}``: the lease's state: lost (and why), revoked.
+- ``lease {key}``: the lease's state: lost (and why), revoked, kept (revoked, mapping
+  kept), the daemon instance it renews with.
 - ``maps``: this process's mappings of weightcache segments, from ``/proc/self/smaps``.
 - ``close {key}``: ``LoadedWeights.close()``.
 - ``stress {plan, seconds, expected}``: attach and release in a loop for ``seconds``, round
@@ -188,6 +189,8 @@ class WorkerState:
         return {
             "lost": None if lease.lost is None else describe(lease.lost),
             "revoked": lease.revoked,
+            "kept": lease.kept,
+            "instance_id": lease.instance_id,
         }
 
     def maps(self, cmd: dict[str, Any]) -> dict[str, Any]:

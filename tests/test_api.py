@@ -23,7 +23,7 @@ import weightcache
 from tests.support import Checkpoints, Daemon, DaemonPool, assert_bitwise_equal
 from weightcache._options import LoadKeywords
 from weightcache.core.errors import ERROR_DOMAIN, error_for_reason
-from weightcache.core.protocol import to_grpc_status
+from weightcache.core.status import to_grpc_status
 
 
 def _subclasses(cls: type[weightcache.RemoteError]) -> list[type[weightcache.RemoteError]]:
@@ -118,15 +118,39 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
         getattr(weightcache, name)
 
 
-@pytest.mark.parametrize("module", ["weightcache", "weightcache_service.cli"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "weightcache",
+        "weightcache_service.cli",
+        "weightcache_service.admin",
+        "weightcache.core.status",
+    ],
+)
 def test_import_does_not_import_torch(module: str) -> None:
-    """Neither the SDK's namespace nor the command (whose probes run often) imports torch."""
+    """Neither the SDK's namespace nor the command (whose probes run often), its client
+    subcommands, nor the decoding of a refusal imports torch."""
     code = f"import sys, {module}; print('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
 
     assert result.stdout == "False\n"
+
+
+def test_the_parser_imports_neither_grpc_nor_structlog() -> None:
+    """``weightcache --version`` and the parser start without gRPC, protobuf or structlog
+    (issue 28: admin commands within 1.5x of a bare ``import grpc``)."""
+    code = (
+        "import sys, weightcache_service.cli as c; c._parser()\n"
+        "print(sorted(m for m in ('grpc', 'google.protobuf', 'structlog', 'rich') "
+        "if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+
+    assert result.stdout == "[]\n"
 
 
 def test_exported_errors_are_weightcache_errors() -> None:
@@ -264,7 +288,7 @@ def test_load_options_defaults_are_loads_defaults() -> None:
         "wait_timeout": 30.0,
         "lease_policy": None,
         "on_lease_lost": None,
-        "on_revoke": "copy",
+        "on_revoke": "keep",
         "trusted_uid": None,
     }
     # The keywords load() and load_into() take are exactly the fields, with their types.
@@ -371,7 +395,10 @@ INVALID_OPTIONS: list[tuple[dict[str, Any], str]] = [
         {"lease_policy": "retry"},
         "lease_policy must be one of ('raise', 'exit', 'ignore'), not 'retry'",
     ),
-    ({"on_revoke": "keep"}, "on_revoke must be one of ('copy', 'raise', 'exit'), not 'keep'"),
+    (
+        {"on_revoke": "drop"},
+        "on_revoke must be one of ('keep', 'copy', 'raise', 'exit'), not 'drop'",
+    ),
     (
         {"dtype": "F16", "recipe": weightcache.Recipe()},
         "give dtype inside the recipe, not beside it",

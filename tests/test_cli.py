@@ -35,6 +35,7 @@ from tests.support import (
 from weightcache.core.sockets import default_socket
 from weightcache.core.sockets import segment_tag as socket_tag
 from weightcache.testing.daemon import wait_or_kill
+from weightcache_service.admin import human_bytes
 from weightcache_service.cli import _parser, client_socket, daemon_socket
 
 
@@ -51,7 +52,7 @@ def _ls_rows(socket: str) -> list[dict[str, str]]:
         "NAME",
         "STATE",
         "PROGRESS",
-        "BYTES",
+        "SIZE",
         "TENSORS",
         "LEASES",
         "DTYPE",
@@ -71,7 +72,7 @@ def test_health_without_daemon_fails(module_daemons: DaemonPool) -> None:
     result = run_cli("health", "--socket", socket, "--timeout", "2")
 
     assert (result.returncode, result.stdout) == (1, "")
-    assert result.stderr == f"weightcache health: no daemon socket at {socket}\n"
+    assert result.stderr.startswith(f"weightcache health: no daemon socket at {socket} (")
 
 
 def test_ls_lists_model_state_and_leases(
@@ -88,7 +89,7 @@ def test_ls_lists_model_state_and_leases(
         "NAME": "single",
         "STATE": "READY",
         "PROGRESS": "-",
-        "BYTES": str(model.size_bytes),
+        "SIZE": human_bytes(model.size_bytes),
         "TENSORS": "9",
         "LEASES": "1",
         "DTYPE": "-",

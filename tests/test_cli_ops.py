@@ -24,7 +24,7 @@ from tests.support import (
 from weightcache.core.version import __version__
 from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache_service.cli import _progress
+from weightcache_service.admin import progress as _progress
 
 REPO_ID = "acme/tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -129,12 +129,18 @@ def test_unknown_repo_id_is_refused_and_keeps_the_daemon_unready(
 
     ready = run_cli("health", "--socket", daemon.socket)
 
-    assert (ready.returncode, ready.stdout) == (1, "NOT_SERVING\n")
-    assert list_models(daemon.socket) == []
-    assert (
+    why = (
         "acme/absent: no such file or folder, nor a Hub repo with revision main in the local "
         "Hub cache (download it first, e.g. `hf download`)"
-    ) in daemon.log()
+    )
+    [model] = list_models(daemon.socket)
+    assert (model.name, model.path, model.state) == (
+        "absent",
+        "acme/absent",
+        pb.MODEL_STATE_FAILED,
+    )
+    assert (ready.returncode, ready.stdout) == (1, f"NOT_SERVING\nabsent FAILED: {model.error}\n")
+    assert why in daemon.log()
 
 
 def test_ls_progress_column() -> None:
@@ -144,6 +150,7 @@ def test_ls_progress_column() -> None:
     assert _progress(model(pb.MODEL_STATE_LOADING, 256, 1024)) == "25%"
     assert _progress(model(pb.MODEL_STATE_LOADING, 0, 0)) == "0%"
     assert _progress(model(pb.MODEL_STATE_READY, 1024, 1024)) == "-"
+    assert _progress(model(pb.MODEL_STATE_LOADING, 1024, 1024)) == "hashing"  # no digest yet
 
 
 def test_log_level_filters_the_daemons_lines(daemons: DaemonPool, checkpoints: Checkpoints) -> None:

@@ -123,7 +123,17 @@ def test_worker_pod_reaches_the_daemons_socket_and_segments() -> None:
     [worker] = _documents(KUBE / "worker-pod.yaml")
     daemon_pod = daemonset["spec"]["template"]["spec"]
     [container] = worker["spec"]["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    volumes = {v["name"]: v.get("hostPath", {}) for v in worker["spec"]["volumes"]}
+    # A node without a daemon must not keep the worker from starting (it falls back).
+    assert volumes["weightcache-sockets"]["type"] == "DirectoryOrCreate"
+    fields = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in container["env"]
+        if "valueFrom" in e
+    }
+    assert env["WEIGHTCACHE_LABEL"] == "$(POD_NAMESPACE)/$(POD_NAME)"
+    assert fields == {"POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
     host_paths = {
         v["name"]: v["hostPath"]["path"] for v in worker["spec"]["volumes"] if "hostPath" in v
     }

@@ -15,7 +15,7 @@ import weightcache
 from tests.support import TESTS
 from weightcache.core import errors as _errors
 from weightcache.core.errors import DAEMON_ERRORS, ERROR_DOMAIN, error_for_reason
-from weightcache.core.protocol import to_grpc_status
+from weightcache.core.status import to_grpc_status
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 PROTO = TESTS.parent / "protos" / "weightcache" / "v1" / "weight_cache_service.proto"

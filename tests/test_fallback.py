@@ -278,6 +278,9 @@ def test_other_fingerprint_level_than_the_daemons_falls_back(
         ("checkpoint/model.safetensors", "format"),
     )
     assert reply["fallback_reason"]["detail"].startswith(
-        "held model 'single' (fingerprint level full, "
+        "held model 'single' was fingerprinted at level 'full', this request at level 'layout': "
+    )
+    assert reply["fallback_reason"]["detail"].endswith(
+        "load with fingerprint_level='full' (the daemon's --fingerprint-level)"
     )
     assert_bitwise_equal(load_file(tmp_path / "w"), checkpoints.tensors)

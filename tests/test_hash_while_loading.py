@@ -38,6 +38,7 @@ from weightcache.core.fingerprint import Fingerprint, compute_fingerprint, pendi
 from weightcache.core.hashcache import cached_sha256, fd_sha256
 from weightcache.core.protocol import fingerprint_from_pb
 from weightcache.core.recipe import Placement, Recipe
+from weightcache.core.timestamps import FINE_GRANULE_NS
 from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.arena import SharedMemoryArena
@@ -103,6 +104,9 @@ def test_a_first_full_load_is_pending_until_it_has_hashed_what_it_copied(
 ) -> None:
     folder = racing.root / "model"
     shutil.copytree(checkpoints.sharded, folder)
+    # Past the timestamp granule: the files' identity vouches for them, so a second load
+    # of them is refused at once (weightcache.core.timestamps).
+    time.sleep(2 * FINE_GRANULE_NS / 1e9)
     pause = racing.base / "pause"
     socket = racing.daemon.socket
     seen: dict[str, object] = {}
@@ -143,6 +147,9 @@ def test_the_daemon_remembers_what_it_hashed_and_does_not_hash_it_again(
 ) -> None:
     folder = racing.root / "model"
     shutil.copytree(checkpoints.sharded, folder)
+    # A digest is remembered only for files last changed more than one timestamp granule
+    # before they were read (weightcache.core.timestamps; 50 ms here, sub-second stamps).
+    time.sleep(2 * FINE_GRANULE_NS / 1e9)
     socket = racing.daemon.socket
     preload(socket, folder, level=FULL)
     first = get_model(socket, "model")
@@ -153,7 +160,9 @@ def test_the_daemon_remembers_what_it_hashed_and_does_not_hash_it_again(
         st = os.stat(shard)
         keys.append(f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}")
         digest = hashlib.sha256(shard.read_bytes()).hexdigest()
-        assert (racing.base / "hash-cache" / keys[-1]).read_text() == digest
+        remembered_digest, since = (racing.base / "hash-cache" / keys[-1]).read_text().split()
+        assert remembered_digest == digest
+        assert int(since) - max(st.st_mtime_ns, st.st_ctime_ns) > FINE_GRANULE_NS
     assert remembered == sorted(keys)
     with service_stub(socket) as stub:
         stub.Evict(pb.EvictRequest(name="model"), timeout=10)
@@ -200,6 +209,7 @@ def test_the_same_content_from_other_files_is_refused_once_hashed_and_leaves_not
 def test_a_stopped_hash_raises_and_remembers_nothing(tmp_path: Path) -> None:
     shard = tmp_path / "file"
     shard.write_bytes(os.urandom(3 << 20))
+    time.sleep(2 * FINE_GRANULE_NS / 1e9)  # past the granule: its digest may be remembered
     cache = tmp_path / "cache"
     stop = threading.Event()
     stop.set()

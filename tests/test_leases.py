@@ -139,7 +139,7 @@ def test_daemon_killed_exit_policy_worker_exits_75(
     assert daemons.clean_after_crash(daemon.socket) == segments
 
 
-def test_keepalive_after_expiry_is_not_found_and_frees_the_evicting_model(
+def test_keepalive_after_expiry_is_not_found_and_ends_the_unlinked_arena(
     daemons: DaemonPool, checkpoints: Checkpoints
 ) -> None:
     daemon = daemons.start([checkpoints.single])
@@ -151,10 +151,14 @@ def test_keepalive_after_expiry_is_not_found_and_frees_the_evicting_model(
             leases.append(stub.Acquire(acquire_request(checkpoints.single, ttl=ttl), timeout=10))
             time.sleep(0.05)
         assert [reply.lease.ttl.ToNanoseconds() for reply in leases] == [3_000_000_000] * 20
-        # EVICTING: only these leases hold the model; the last one to end must free it.
+        # On shared memory a forced evict drops the model at once; its arena is listed as
+        # unlinked while these leases last, and the last one to end takes it off the list.
         evicted = stub.Evict(pb.EvictRequest(name="single", force=True), timeout=10)
         assert evicted.model.lease_count == EXPIRY_TRIALS
-        assert get_model(daemon.socket, "single").state == pb.MODEL_STATE_EVICTING
+        listed = stub.ListModels(pb.ListModelsRequest(), timeout=10)
+        assert list(listed.models) == []
+        assert [(u.model, u.lease_count) for u in listed.unlinked] == [("single", EXPIRY_TRIALS)]
+        assert daemon.segments() == []
 
         requests: queue.Queue[pb.KeepAliveRequest | None] = queue.Queue()
 
@@ -171,16 +175,12 @@ def test_keepalive_after_expiry_is_not_found_and_frees_the_evicting_model(
             [status] = next(stream).leases
             assert status.lease_id == reply.lease.lease_id
             states.append(pb.LeaseState.Name(status.state))
-        # Checked at once, before the reaper's next tick could have done it.
-        with pytest.raises(grpc.RpcError) as raised:
-            stub.GetModel(pb.GetModelRequest(name="single"), timeout=10)
+        left = stub.ListModels(pb.ListModelsRequest(), timeout=10).unlinked
         requests.put(None)
         stream.cancel()
 
     assert states == ["LEASE_STATE_NOT_FOUND"] * EXPIRY_TRIALS
-    failure = rpc_failure(raised.value)
-    assert (failure.code, failure.reason) == (grpc.StatusCode.NOT_FOUND, "MODEL_NOT_FOUND")
-    assert daemon.segments() == []
+    assert list(left) == []
 
 
 def test_release_and_retried_acquire_do_not_revive_an_expired_lease(

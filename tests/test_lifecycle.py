@@ -33,6 +33,7 @@ from tests.fault_support import (
     refused,
     server_info,
     start_ready,
+    unlinked,
     write_big_checkpoint,
     write_sized_checkpoint,
 )
@@ -133,12 +134,9 @@ def assert_private_copy(kid: Child, segment: str) -> None:
 def assert_revoked_copy(kid: Child, expected: str, segment: str) -> None:
     """The worker's lease was revoked and handled by copying: not lost, its tensors'
     digest still ``expected`` and no error, its copy out of ``segment``."""
-    assert kid.request("lease", key="w") == {
-        "reply": "lease",
-        "ok": True,
-        "lost": None,
-        "revoked": True,
-    }
+    state = kid.request("lease", key="w")
+    state.pop("instance_id")
+    assert state == {"reply": "lease", "ok": True, "lost": None, "revoked": True, "kept": False}
     now = kid.request("digest", key="w")
     assert (now["digest"], now["tensors_error"]) == (expected, None)
     assert_private_copy(kid, segment)
@@ -257,7 +255,7 @@ def test_close_after_the_daemon_drained_is_a_no_op(
 # -- forced eviction --------------------------------------------------------------------
 
 
-def test_forced_evict_revokes_holders_and_frees_after_release(
+def test_forced_evict_unlinks_at_once_and_copy_holders_release(
     daemons: DaemonPool, children: Children, checkpoints: Checkpoints
 ) -> None:
     daemon = start_ready(
@@ -284,7 +282,8 @@ def test_forced_evict_revokes_holders_and_frees_after_release(
     [segment] = daemon.segments()
     assert segment in segments
 
-    # With holders: REVOKING; the model stays until the last one has released.
+    # With holders: REVOKING. On shared memory the model is dropped at once and its
+    # segment unlinked under the holders' mappings; listed as unlinked until they release.
     stopped.stop()
     snapshot = evict(daemon.socket, "single", force=True).model
     assert (snapshot.name, snapshot.state, snapshot.lease_count) == (
@@ -292,24 +291,22 @@ def test_forced_evict_revokes_holders_and_frees_after_release(
         pb.MODEL_STATE_READY,
         2,
     )
+    size = snapshot.size_bytes
+    assert list_models(daemon.socket) == {}
+    assert daemon.segments() == []
     wait_until(lambda: quick.request("lease", key="w")["revoked"], 30.0)
-    model = get_model(daemon.socket, "single")
-    assert (model.state, model.lease_count) == (pb.MODEL_STATE_EVICTING, 1)
-    assert daemon.segments() == [segment]
+    wait_until(lambda: unlinked(daemon.socket) == [("single", size, 1)], 30.0)
     fell_back = late.load(checkpoints.single, socket=daemon.socket)
-    assert fell_back["source"] == "disk"
-    evicting_reason = fell_back["fallback_reason"]
+    assert (fell_back["source"], fell_back["fallback_reason"]["code"]) == (
+        "disk",
+        "MODEL_NOT_FOUND",
+    )
     assert fell_back["digest"] == expected
 
     stopped.signal(signal.SIGCONT)
-    wait_until(lambda: "single" not in list_models(daemon.socket), 30.0)
-    assert daemon.segments() == []
+    wait_until(lambda: unlinked(daemon.socket) == [], 30.0)
     for kid in (quick, stopped):
         assert_revoked_copy(kid, expected, segment)
-    # An evicting model cannot be leased. The daemon now says MODEL_FAILED ("model 'single'
-    # is MODEL_STATE_EVICTING"), which the README reserves for a failed load; MODEL_NOT_FOUND
-    # (or a reason of its own) would say it better. Either is a documented fallback.
-    assert evicting_reason["code"] in {"MODEL_FAILED", "MODEL_NOT_FOUND"}, evicting_reason
 
 
 # -- memory budget ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import Checkpoints, DaemonPool, write_malformed
+from tests.support import Checkpoints, DaemonPool, get_model, write_malformed
 from weightcache_service.notify import Notifier
 
 #: $WATCHDOG_USEC: a 0.4 s watchdog, so a ping every 0.2 s.
@@ -91,12 +91,16 @@ def test_no_ready_while_a_required_model_failed(
 ) -> None:
     path, listener = notify
     bad = write_malformed(tmp_path / "bad", "invalid-json")
-    daemons.start([checkpoints.single, bad], env={"NOTIFY_SOCKET": path})  # start-up ended
+    daemon = daemons.start([checkpoints.single, bad], env={"NOTIFY_SOCKET": path})  # ended
 
     time.sleep(1.0)  # readiness is re-evaluated every 0.2 s: give it a few turns
     messages = listener.drain()
     assert "EXTEND_TIMEOUT_USEC=60000000" in messages  # the daemon did notify...
     assert [m for m in messages if "READY=1" in m.split("\n")] == []  # ...but never READY
+    # ...and says why (issue 28, item 8): systemctl status shows it while the unit waits.
+    [status] = [m for m in messages if m.startswith("STATUS=not ready")]
+    error = get_model(daemon.socket, "bad").error
+    assert status == f"STATUS=not ready: 1 model(s) FAILED: bad: {error}"
 
 
 def test_without_notify_socket_nothing_is_sent(

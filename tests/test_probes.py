@@ -110,7 +110,13 @@ def test_failed_required_preload_keeps_the_daemon_unready(
     }
     ready = run_cli("health", "--readiness", "--socket", daemon.socket)
     alive = run_cli("health", "--liveness", "--socket", daemon.socket)
-    assert (ready.returncode, ready.stdout) == (1, "NOT_SERVING\n")
+    bad_model = get_model(daemon.socket, "bad")
+    assert bad_model.state == pb.MODEL_STATE_FAILED
+    assert (ready.returncode, ready.stdout) == (
+        1,
+        f"NOT_SERVING\nbad FAILED: {bad_model.error}\n",
+    )
+    assert bad_model.error.startswith("INVALID_CHECKPOINT: model.safetensors: header is not")
     assert (alive.returncode, alive.stdout) == (0, "SERVING\n")
     assert get_model(daemon.socket, "single").state == pb.MODEL_STATE_READY
 
@@ -188,7 +194,7 @@ def test_metrics_after_acquires(
     }
     assert samples["weightcache_acquire_duration_seconds_count", ()] == 2
     assert samples["weightcache_acquire_duration_seconds_bucket", (("le", "+Inf"),)] == 2
-    assert samples["weightcache_preloads_total", (("result", "ready"),)] == 1
+    assert samples["weightcache_preloads_total", (("reason", ""), ("result", "ready"))] == 1
     assert samples["weightcache_preload_bytes_total", ()] == size
     assert samples["weightcache_preload_seconds_total", ()] > 0
     assert samples["weightcache_lease_expiries_total", ()] == 0

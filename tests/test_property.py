@@ -56,8 +56,8 @@ pytestmark = pytest.mark.timeout(TEST_TIMEOUT)
 
 DTYPES = ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2", "BOOL", "U8", "I8", "I16", "I32", "I64")
 ALIASES = {
-    "colwise": ("colwise", "colwise_rep", "local_colwise"),
-    "rowwise": ("rowwise", "rowwise_rep", "local_rowwise"),
+    "colwise": ("colwise", "colwise_rep", "local_colwise", "colwise_gather_output"),
+    "rowwise": ("rowwise", "rowwise_rep", "local_rowwise", "rowwise_split_input"),
     "replicate": ("replicate", "local", "sequence_parallel"),
 }
 #: Hypothesis settings: bounded, no deadline (a loaded machine), no example database.

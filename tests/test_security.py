@@ -1149,6 +1149,7 @@ ALL_RPCS = (
     "Release",
     "Evict",
     "Preload",
+    "ListLeases",
 )
 READ_ONLY = ("ServerReflectionInfo", "GetServerInfo", "ListModels", "GetModel")
 
@@ -1242,7 +1243,11 @@ def _outcomes(channel: grpc.Channel, fleet: Fleet, instance_id: str) -> dict[str
             return
         assert replies[-1].state == pb.MODEL_STATE_READY
 
-    calls = (check, services, info, models, model, acquire, keepalive, release, evict, preload)
+    def leases() -> None:
+        stub.ListLeases(pb.ListLeasesRequest(model="no-such-model"), timeout=20)
+
+    calls = [check, services, info, models, model, acquire, keepalive, release, evict, preload]
+    calls.append(leases)
     return {rpc: _outcome(rpc, call) for rpc, call in zip(ALL_RPCS, calls, strict=True)}
 
 

@@ -21,6 +21,22 @@ from dataclasses import dataclass
 
 from weightcache.core.sockets import MAX_SOCKET_PATH
 
+#: Milliseconds a new connection gets to finish its handshake (TLS and HTTP/2's preface
+#: and settings; gRPC's default is 120 s): a peer that connects and sends nothing holds a
+#: descriptor no longer.
+HANDSHAKE_TIMEOUT_MS = 5_000
+#: Milliseconds a connection may stay without a call before the server closes it with a
+#: GOAWAY (gRPC's ``grpc.max_connection_idle_ms``; a client reconnects when it calls).
+MAX_CONNECTION_IDLE_MS = 60_000
+#: Server options that bound what idle connections hold, on every listener.
+#: Calls (HTTP/2 streams) one connection may have open at once; a client queues the rest.
+MAX_CONCURRENT_STREAMS = 128
+CONNECTION_OPTIONS = [
+    ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+    ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+    ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+]
+
 
 class AccessError(RuntimeError):
     """The socket folder, group or listen address is unusable or unsafe."""

@@ -16,6 +16,7 @@ import gc
 import math
 import mmap
 import os
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,7 +26,7 @@ import torch
 from weightcache.core.dtypes import TORCH_DTYPES
 from weightcache.core.errors import ResourceExhaustedError
 from weightcache.core.records import SharedMemoryHandle, StorageHandle, TensorView
-from weightcache.core.sockets import SHM_DIR, tag_prefix
+from weightcache.core.sockets import SHM_DIR
 from weightcache_service.segments import segment_name
 
 ALIGNMENT = 256
@@ -198,16 +199,53 @@ class SharedMemoryArena:
         """The handle a worker opens: the segment's path and size."""
         return SharedMemoryHandle(self.path, self.size)
 
-    def close(self) -> None:
-        """Unlink and unmap; a second call does nothing. Workers that mapped it keep their
-        pages (mmap(2)). Never raises: if a view of the mapping is still referenced
-        somewhere, the pages go when that view does."""
+    @classmethod
+    def adopt(
+        cls, path: str, size: int, new_path: str, mode: int, gid: int | None
+    ) -> SharedMemoryArena:
+        """Take over a segment a predecessor handed over (:mod:`.handover`): open it,
+        check it again on the descriptor, map it, and rename it to ``new_path`` (this
+        daemon's name, so that clean-up of dead daemons' segments spares it). Its bytes are
+        neither read nor written.
+
+        Raises:
+            OSError: it cannot be opened, mapped or renamed, or it is not a regular file of
+                ``size`` bytes owned by this user (``EINVAL``).
+        """
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
+                raise OSError(errno.EINVAL, f"{path} is not a {size}-byte segment of this user")
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode)
+            arena = cls.__new__(cls)
+            arena.size = size
+            arena._closed = False
+            arena._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            os.rename(path, new_path)
+        except BaseException:
+            os.close(fd)
+            raise
+        arena.path = new_path
+        arena._fd = fd
+        arena._sendfile = False  # nothing more is written into an adopted arena
+        arena._base = torch.frombuffer(arena._mmap, dtype=torch.uint8)
+        return arena
+
+    def close(self, *, unlink: bool = True) -> None:
+        """Unlink (unless ``unlink`` is False: a hand-over leaves it to the successor) and
+        unmap; a second call does nothing. Workers that mapped it keep their pages
+        (mmap(2)). Never raises: if a view of the mapping is still referenced somewhere,
+        the pages go when that view does."""
         if self._closed:
             return
         self._closed = True
         # Unlink first: the name must go even if the mapping cannot be closed yet.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         os.close(self._fd)
         self._base = torch.empty(0, dtype=torch.uint8)
         try:
@@ -218,21 +256,3 @@ class SharedMemoryArena:
             gc.collect()
             with contextlib.suppress(BufferError):
                 self._mmap.close()
-
-
-def remove_stale_segments(tag: str, keep_prefix: str) -> list[str]:
-    """Unlink ``weightcache-<tag>-*`` segments left by an earlier daemon on the same socket.
-
-    Only the holder of the socket's lock may call this. Segments whose name starts with
-    ``keep_prefix`` (this instance's) are kept.
-    """
-    removed = []
-    start = tag_prefix(tag)
-    for entry in os.scandir(SHM_DIR):
-        if entry.name.startswith(start) and not entry.name.startswith(keep_prefix):
-            try:
-                os.unlink(entry.path)
-                removed.append(entry.path)
-            except FileNotFoundError:
-                pass
-    return removed

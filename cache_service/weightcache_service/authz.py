@@ -48,6 +48,7 @@ RULES: dict[str, Need] = {
     "/grpc.health.v1.Health/Check": Need.ANYONE,
     "/grpc.health.v1.Health/Watch": Need.ANYONE,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": Need.INFO,
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": Need.INFO,
     _SERVICE + "GetServerInfo": Need.INFO,
     _SERVICE + "ListModels": Need.INFO,
     _SERVICE + "GetModel": Need.INFO,
@@ -56,6 +57,7 @@ RULES: dict[str, Need] = {
     _SERVICE + "Release": Need.AUTHENTICATED,
     _SERVICE + "Evict": Need.AUTHENTICATED,
     _SERVICE + "Preload": Need.AUTHENTICATED,
+    _SERVICE + "ListLeases": Need.AUTHENTICATED,
 }
 
 #: auth_context() keys of a verified client certificate's names (grpc/grpc_security_constants.h).

@@ -33,6 +33,10 @@ class Backend:
         device_uuid: the GPU's UUID; empty for the CPU.
         make_arena: allocates an arena of a size in bytes.
         available: bytes the backend has free now.
+        unlink_keeps_mappings: freeing an arena leaves the workers' mappings of it
+            readable, with the same bytes, until they unmap it (shared memory: an
+            unlinked file lives on while mapped, mmap(2)); then a revoke drops the model
+            at once and nobody copies. False on a GPU, where freed memory is gone.
     """
 
     name: str
@@ -40,6 +44,7 @@ class Backend:
     device_uuid: str
     make_arena: Callable[[int], Arena]
     available: Callable[[], int]
+    unlink_keeps_mappings: bool = False
 
 
 def cpu_backend(segment_prefix: str, access: Access) -> Backend:
@@ -48,7 +53,7 @@ def cpu_backend(segment_prefix: str, access: Access) -> Backend:
     def make(size: int) -> Arena:
         return SharedMemoryArena(size, segment_prefix, mode=access.segment_mode, gid=access.gid)
 
-    return Backend("cpu_shm", "cpu", "", make, cpu_available_bytes)
+    return Backend("cpu_shm", "cpu", "", make, cpu_available_bytes, unlink_keeps_mappings=True)
 
 
 @dataclass(frozen=True)

@@ -87,21 +87,27 @@ class MemoryBudget:
             return int(self._start_available * self.percent / 100)
         return None
 
-    def check(self, name: str, needed: int, held: int, pending: int = 0) -> None:
+    def check(self, name: str, needed: int, held: int, pending: int = 0, unlinked: int = 0) -> None:
         """Admit an arena of ``needed`` bytes while ``held`` bytes are held, ``pending`` of
         them admitted but not yet allocated (what the backend has does not show those yet,
         so they are taken off it: two loads admitted at once cannot both count on the
-        same free bytes).
+        same free bytes), and ``unlinked`` bytes of revoked arenas are still mapped by
+        workers (not held, not free: counted against the limit; the backend's free space
+        shows them already, as tmpfs frees an unlinked file's pages at its last unmap).
 
         Raises:
             ResourceExhaustedError: over the budget, or under the headroom; the message
                 gives every number, in bytes ("available" net of ``pending``).
         """
         limit = self.limit
-        if limit is not None and held + needed > limit:
+        if limit is not None and held + unlinked + needed > limit:
+            still = f" and {unlinked} unlinked but still mapped by workers" if unlinked else ""
+            metadata = {"needed": str(needed), "held": str(held), "budget": str(limit)}
+            if unlinked:
+                metadata["unlinked"] = str(unlinked)
             raise ResourceExhaustedError(
-                f"{name} needs {needed} bytes; {held} of the {limit}-byte budget are held",
-                metadata={"needed": str(needed), "held": str(held), "budget": str(limit)},
+                f"{name} needs {needed} bytes; {held} of the {limit}-byte budget are held{still}",
+                metadata=metadata,
             )
         available = self.available() - pending
         if needed + self.headroom > available:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from weightcache.core.errors import (
     InvalidArgumentError,
     LeasesActiveError,
     ModelExistsError,
+    ModelFailedError,
     ModelLoadingError,
     ModelNotFoundError,
     PermissionDeniedError,
@@ -45,15 +46,21 @@ from weightcache.core.records import (
     Acquisition,
     Environment,
     Grant,
+    LeaseHolder,
     LeaseInfo,
     LeaseStatus,
     ModelInfo,
     ServerInfo,
+    SharedMemoryHandle,
+    UnlinkedArena,
 )
 from weightcache.core.version import PROTOCOL_VERSION, __version__
+from weightcache_service.arena import Arena
 from weightcache_service.backend import Backend
+from weightcache_service.handover import HandOverRefusedError, HeldLease, HeldModel
 from weightcache_service.leases import Lease, LeaseTable
-from weightcache_service.store import Entry, Store, clip
+from weightcache_service.peers import Connection, holder
+from weightcache_service.store import Entry, Refusal, Store, clip
 
 log = structlog.get_logger("weightcache.daemon")
 
@@ -65,12 +72,19 @@ class CacheEvents:
     """What the cache reports as it happens (metrics listen, :mod:`.metrics`); this base
     ignores everything."""
 
-    def acquired(self, reason: str, seconds: float) -> None:
+    def acquired(self, reason: str, seconds: float, probe: bool = False) -> None:
         """An Acquire was answered in ``seconds``: ``reason`` empty when granted, else the
-        refusal's reason (``MODEL_NOT_FOUND``...)."""
+        refusal's reason (``MODEL_NOT_FOUND``...); ``probe``: the refusal is the miss of an
+        Acquire by file identity, which the SDK follows with one by fingerprint (not a
+        fallback)."""
 
     def loaded(self, entry: Entry) -> None:
         """A load ended (``entry.state`` says how)."""
+
+    def preload_refused(self, reason: str) -> None:
+        """A preload (start-up or Preload RPC) was refused before its load began: a
+        malformed or missing checkpoint, a recipe that cannot apply, the memory budget
+        (``reason``: the error's)."""
 
     def lease_expired(self) -> None:
         """A lease ended by its TTL."""
@@ -122,6 +136,8 @@ class WeightCache:
         self.instance_id = instance_id
         self.backend = backend
         self.draining = False
+        #: Stopping for a restart: leases are handed over, not revoked.
+        self.handing_over = False
         #: Until every start-up preload is registered, a miss may be a model about to load.
         self.starting = False
         self.start_time = time.time()
@@ -135,6 +151,8 @@ class WeightCache:
         self.events = CacheEvents()
         self._sessions: dict[int, Outbox] = {}
         self._loads: set[asyncio.Task[None]] = set()
+        #: Arenas revoked on shared memory, unlinked, that workers still map, oldest first.
+        self._unlinked: list[_Unlinked] = []
 
     # -- loading ---------------------------------------------------------------------
 
@@ -168,6 +186,20 @@ class WeightCache:
             ResourceExhaustedError: the arena would not fit the memory budget.
         """
 
+        try:
+            return await self._begin_load(path, recipe, placement, level, confine)
+        except ModelExistsError:
+            raise  # nothing to load: not a refusal
+        except WeightCacheError as err:
+            self.events.preload_refused(err.reason)
+            raise
+        except Exception:
+            self.events.preload_refused(ModelFailedError.reason)
+            raise
+
+    async def _begin_load(
+        self, path: str, recipe: Recipe, placement: Placement, level: Level, confine: bool
+    ) -> tuple[Entry, asyncio.Task[None]]:
         def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
             # Confinement is checked on each file as opened: a path checked before the
             # open could be swapped for a symlink in between.
@@ -191,7 +223,9 @@ class WeightCache:
         checkpoint, pipeline, fp = await asyncio.to_thread(prepare)
         try:
             try:
-                entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
+                entry = self.store.add(
+                    checkpoint, recipe, placement, pipeline, fp, unlinked=self.unlinked_bytes()
+                )
             except ResourceExhaustedError:
                 if not fp.pending:
                     raise
@@ -204,7 +238,9 @@ class WeightCache:
                 )
                 for other in self.store.loading_as(fp):
                     await asyncio.to_thread(other.finished.wait)
-                entry = self.store.add(checkpoint, recipe, placement, pipeline, fp)
+                entry = self.store.add(
+                    checkpoint, recipe, placement, pipeline, fp, unlinked=self.unlinked_bytes()
+                )
         except BaseException:
             checkpoint.close()
             raise
@@ -241,6 +277,18 @@ class WeightCache:
         else:
             log.error("load failed", model=entry.name, error=entry.error)
 
+    def refuse(
+        self, path: str, recipe: Recipe, placement: Placement, level: Level, err: Exception
+    ) -> Refusal:
+        """Keep a start-up model refused before it held anything, listed FAILED with
+        ``err`` (anything but a :class:`WeightCacheError` is kept as MODEL_FAILED)."""
+        failure = (
+            err
+            if isinstance(err, WeightCacheError)
+            else ModelFailedError(f"{type(err).__name__}: {err}")
+        )
+        return self.store.refuse(path, recipe, placement, level, failure)
+
     async def wait_loads(self) -> None:
         """Wait for every load in progress to end (at shutdown)."""
         entries = self.store.entries()
@@ -249,6 +297,114 @@ class WeightCache:
         # Wait on the threads themselves: a cancelled asyncio task does not stop its thread,
         # and freeing an arena a thread still writes into would crash the process.
         await asyncio.to_thread(lambda: [entry.finished.wait() for entry in entries])
+
+    # -- hand-over -------------------------------------------------------------------------
+
+    def handed_over(self) -> list[HeldModel]:
+        """What a hand-over leaves to the successor: every READY model whose arena is a
+        shared-memory segment, with its live leases."""
+        held = []
+        for entry in self.store.entries():
+            if entry.state != "ready" or not isinstance(entry.handle, SharedMemoryHandle):
+                continue
+            leases = tuple(
+                HeldLease(x.lease_id, x.ttl, x.request_id, x.pid)
+                for x in self.leases.for_model(entry.name)
+            )
+            held.append(
+                HeldModel(
+                    name=entry.name,
+                    path=str(entry.checkpoint.root),
+                    segment=entry.handle.path,
+                    size=entry.size,
+                    files=entry.checkpoint.file_identities(),
+                    recipe=entry.recipe,
+                    placement=entry.placement,
+                    fingerprint=entry.fingerprint,
+                    load_seconds=entry.load_seconds,
+                    create_time=entry.create_time,
+                    leases=leases,
+                )
+            )
+        return held
+
+    def adopt(self, held: HeldModel, arena_of: Callable[[int], Arena]) -> Entry:
+        """Serve a model a predecessor handed over, from its segment, with its leases under
+        the same ids. The checkpoint's headers are read again (not its tensors): its files
+        must be the very files the predecessor loaded (same identities), its layout must
+        need exactly the segment's size, and its fingerprint must be the manifest's
+        (recomputed when no file needs reading: levels ``layout``, ``sampled``, and
+        ``full`` with every shard's digest in the hash cache; else the components that
+        read no file are compared).
+
+        Raises:
+            HandOverRefusedError: any of that does not hold.
+            WeightCacheError: the checkpoint or the recipe cannot be opened or built.
+            OSError: the segment cannot be adopted.
+        """
+        checkpoint = open_checkpoint(held.path)
+        try:
+            if checkpoint.file_identities() != held.files:
+                raise HandOverRefusedError(
+                    f"the files of {held.path} changed since they were loaded"
+                )
+            pipeline = held.recipe.build(checkpoint, held.placement)
+            fp = self._adopted_fingerprint(held, checkpoint, pipeline)
+
+            def arena(size: int) -> Arena:
+                if size != held.size:
+                    raise HandOverRefusedError(
+                        f"the checkpoint's layout needs {size} bytes; the segment has {held.size}"
+                    )
+                return arena_of(size)
+
+            entry = self.store.adopt(
+                held.name,
+                checkpoint,
+                held.recipe,
+                held.placement,
+                pipeline,
+                fp,
+                arena,
+                held.load_seconds,
+            )
+        finally:
+            checkpoint.close()
+        entry.create_time = held.create_time
+        for lease in held.leases:
+            self.leases.restore(lease.lease_id, entry.name, lease.ttl, lease.request_id, lease.pid)
+        return entry
+
+    @staticmethod
+    def _adopted_fingerprint(
+        held: HeldModel, checkpoint: Checkpoint, pipeline: Pipeline
+    ) -> Fingerprint:
+        level = held.fingerprint.level
+        known = cached_digests(checkpoint) if level == "full" else {}
+        if level != "full" or len(known) == len(checkpoint.shards):
+            fp = compute_fingerprint(checkpoint, pipeline, held.placement, level, file_sha256=known)
+            if fp.digest != held.fingerprint.digest:
+                raise HandOverRefusedError(f"the fingerprint of {held.path} is not the manifest's")
+            return fp
+        pending = pending_fingerprint(checkpoint, pipeline, held.placement)
+        differing = [
+            name
+            for name, digest in pending.components.items()
+            if held.fingerprint.components.get(name) != digest
+        ]
+        if differing:
+            raise HandOverRefusedError(
+                f"the fingerprint of {held.path} differs from the manifest's in "
+                f"{', '.join(differing)}"
+            )
+        return held.fingerprint
+
+    def announce_hand_over(self) -> None:
+        """Tell every KeepAlive stream that this daemon hands its leases over to its
+        successor (``KeepAliveResponse.hand_over``): their holders reconnect."""
+        self.handing_over = True
+        for outbox in self._sessions.values():
+            outbox.put_nowait([])
 
     # -- remote preload permissions ------------------------------------------------------
 
@@ -312,11 +468,15 @@ class WeightCache:
         Raises:
             ModelNotFoundError: no such model.
         """
-        return self.info(self.store.get(name))
+        refusal = self.store.refusals.get(name)
+        return refusal.info() if refusal is not None else self.info(self.store.get(name))
 
     def models(self) -> list[ModelInfo]:
-        """Snapshots of every model, sorted by name."""
-        return [self.info(entry) for entry in self.store.entries()]
+        """Snapshots of every model, sorted by name: those held or loading, and the
+        start-up models refused before they held anything (:class:`Refusal`), FAILED."""
+        held = [self.info(entry) for entry in self.store.entries()]
+        refused = [refusal.info() for refusal in self.store.refusals.values()]
+        return sorted(held + refused, key=lambda m: m.name)
 
     def info(self, entry: Entry) -> ModelInfo:
         """A snapshot of ``entry`` with its live lease count."""
@@ -337,7 +497,22 @@ class WeightCache:
             memory_budget_bytes=limit or 0,
             instance_id=self.instance_id,
             start_time=self.start_time,
+            memory_unlinked_bytes=self.unlinked_bytes(),
         )
+
+    def unlinked_arenas(self) -> list[UnlinkedArena]:
+        """Arenas revoked on shared memory that workers still map, oldest first: known by
+        their revoked leases not yet ended (released, expired, or their stream closed)."""
+        self._prune_unlinked()
+        return [
+            UnlinkedArena(u.model, u.size, len(u.lease_ids), u.unlink_time) for u in self._unlinked
+        ]
+
+    def unlinked_bytes(self) -> int:
+        """Bytes of :meth:`unlinked_arenas`: not held, but not free either (counted
+        against the budget)."""
+        self._prune_unlinked()
+        return sum(u.size for u in self._unlinked)
 
     # -- leases ------------------------------------------------------------------------
 
@@ -375,9 +550,17 @@ class WeightCache:
             raise self._with_skew(err, want.environment) from None
         if entry.handle is None:
             raise ModelLoadingError(f"model {entry.name!r} is not ready")
-        lease = self.leases.grant(entry.name, want.ttl, want.request_id, want.pid)
+        lease = self.leases.grant(entry.name, want.ttl, want.request_id, want.pid, want.worker)
         match = "files" if want.files else "fingerprint"
-        log.info("acquired", model=entry.name, lease=lease.lease_id[:8], pid=want.pid, match=match)
+        log.info(
+            "acquired",
+            model=entry.name,
+            lease=lease.lease_id[:8],
+            pid=want.pid,
+            hostname=want.worker.hostname,
+            label=want.worker.label,
+            match=match,
+        )
         return Grant(
             lease=self._lease_info(lease),
             model=self.info(entry),
@@ -459,6 +642,9 @@ class WeightCache:
     def _lease_status(self, lease_id: str, lease: Lease | None) -> LeaseStatus:
         if lease is None:
             return LeaseStatus(lease_id, "not_found")
+        if lease.detached:
+            # No deadline: the daemon frees nothing under the mapping any more.
+            return LeaseStatus(lease_id, "revoking", expire_time=self._wall(lease.expire_at))
         if lease.revoke_deadline is not None:
             return LeaseStatus(
                 lease_id,
@@ -467,6 +653,27 @@ class WeightCache:
                 revoke_deadline=self._wall(lease.revoke_deadline),
             )
         return LeaseStatus(lease_id, "active", expire_time=self._wall(lease.expire_at))
+
+    def lease_holders(self, model: str, peers: list[Connection]) -> list[LeaseHolder]:
+        """Every live lease (on ``model`` only, unless empty), oldest first, with who holds
+        it: the worker's description, and the credentials of its connection among
+        ``peers`` (:func:`weightcache_service.peers.holder`)."""
+        holders = []
+        for lease in self.leases.live():
+            if model and lease.model != model:
+                continue
+            status = self._lease_status(lease.lease_id, lease)
+            holders.append(
+                LeaseHolder(
+                    lease=self._lease_info(lease),
+                    state=status.state,
+                    create_time=self._wall(lease.granted_at),
+                    worker=lease.worker,
+                    peer=holder(lease.worker, peers),
+                    revoke_deadline=status.revoke_deadline,
+                )
+            )
+        return holders
 
     def _lease_info(self, lease: Lease) -> LeaseInfo:
         return LeaseInfo(
@@ -492,6 +699,10 @@ class WeightCache:
             ModelLoadingError: the model is loading.
             LeasesActiveError: it has live leases and ``force`` is not set.
         """
+        refusal = self.store.refusals.pop(name, None)
+        if refusal is not None:
+            log.info("evicted", model=name)
+            return refusal.info()
         entry = self.store.get(name)
         if entry.state == "loading":
             raise ModelLoadingError(f"model {entry.name!r} is loading; evict it once loaded")
@@ -515,19 +726,34 @@ class WeightCache:
         for outbox in self._sessions.values():
             outbox.put_nowait(None)
 
-    def revoke_all(self) -> int:
-        """Revoke every lease (drain); returns how many were live."""
-        count = len(self.leases)
+    def revoke_all(self) -> None:
+        """Revoke every lease (drain)."""
         for entry in self.store.entries():
             if self.leases.for_model(entry.name):
                 self._revoke(entry)
-        return count
 
     def _revoke(self, entry: Entry) -> None:
-        entry.state = "evicting"
-        deadline = self.leases.clock() + self.options.drain_timeout
-        revoked = self.leases.revoke(entry.name, deadline)
-        log.warning("revoking", model=entry.name, leases=len(revoked))
+        """Push REVOKING to every holder of ``entry``. On shared memory the model is
+        dropped now (its segment unlinked: the workers' mappings keep their bytes, which
+        never change) and its leases detached, counted as unlinked until they end; on a GPU
+        it is EVICTING until they end or the drain timeout passes."""
+        if self.backend.unlink_keeps_mappings:
+            revoked = self.leases.detach(entry.name)
+            self.store.remove(entry.name)
+            self._unlinked.append(
+                _Unlinked(entry.name, entry.size, time.time(), {x.lease_id for x in revoked})
+            )
+            log.warning(
+                "revoked: segment unlinked, workers keep their mappings",
+                model=entry.name,
+                leases=len(revoked),
+                bytes=entry.size,
+            )
+        else:
+            entry.state = "evicting"
+            deadline = self.leases.clock() + self.options.drain_timeout
+            revoked = self.leases.revoke(entry.name, deadline)
+            log.warning("revoking", model=entry.name, leases=len(revoked))
         self.events.leases_revoked(len(revoked))
         for lease in revoked:
             outbox = self._sessions.get(lease.session) if lease.session is not None else None
@@ -546,3 +772,26 @@ class WeightCache:
             if entry.state == "evicting" and not self.leases.for_model(entry.name):
                 self.store.remove(entry.name)
                 log.info("evicted", model=entry.name)
+        self._prune_unlinked()
+
+    def _prune_unlinked(self) -> None:
+        """Forget the unlinked arenas whose revoked leases have all ended."""
+        kept = []
+        for unlinked in self._unlinked:
+            unlinked.lease_ids = set(self.leases.live_ids(unlinked.lease_ids))
+            if unlinked.lease_ids:
+                kept.append(unlinked)
+            else:
+                log.info("unlinked arena released", model=unlinked.model, bytes=unlinked.size)
+        self._unlinked = kept
+
+
+@dataclass
+class _Unlinked:
+    """An arena revoked on shared memory: unlinked, mapped by the holders of
+    ``lease_ids`` (revoked leases not yet ended)."""
+
+    model: str
+    size: int
+    unlink_time: float
+    lease_ids: set[str]

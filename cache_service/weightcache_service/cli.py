@@ -15,11 +15,16 @@ Subcommands:
 - ``health [--readiness|--liveness]``: exit 0 only when the daemon is ready (every
   required model READY), or with ``--liveness`` when its event loop answers (exec probes).
 - ``info [--json]``: versions, backend and memory of the daemon.
+- ``leases [MODEL] [--json]``: the live leases, who holds each (the uid and pid the kernel
+  gives the daemon for the holder's connection, the worker's own pid, host name and
+  label), mode, age and TTL (ListLeases).
 - ``evict NAME [--force]``: drop a model.
 - ``gc [--dry-run]``: remove the /dev/shm segments of daemons that died without cleaning
   up (a SIGKILL, a crash), whatever socket they served; prints one line per segment.
   Only the caller's own segments, or any for root; a live daemon's are never touched.
-  Exits 0, or 1 when /dev/shm cannot be read or a segment cannot be removed.
+  Entries named like segments that are not regular files the caller may remove (a
+  folder, a symlink, another user's file: anyone can create names in /dev/shm) are
+  skipped with a ``skipped PATH: WHY`` line. Exits 0, or 1 when /dev/shm cannot be read.
 
 The daemon and every client subcommand take ``--device`` (default ``cpu``) and
 ``--socket``: without ``--socket``, the socket is the device's by the one rule of
@@ -33,30 +38,20 @@ whose UUID cannot be read), 2 when ``--device`` names no device.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-import grpc
-import structlog
-from google.protobuf import json_format
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from typing import TYPE_CHECKING, Any
 
 from weightcache.core.errors import RecipeError, WeightCacheError
-from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS
-from weightcache.core.rpc import LIVENESS, READINESS, call, connect, target
+from weightcache.core.levels import DEFAULT_LEVEL, LEVELS
 from weightcache.core.sockets import default_socket
-from weightcache.core.version import __version__
-from weightcache.v1 import weight_cache_service_pb2 as pb
 
-# The daemon's modules (and torch) are imported inside `preload` only, so that `health`,
-# `ls`, `info` and `evict` start in a fraction of a second: `health` is an exec probe.
+# Only the parser is imported with the command: the client subcommands' gRPC in
+# weightcache_service.admin, structlog and the daemon's modules (and torch) inside
+# `preload`, so that `--version` and `health` (an exec probe) start at once
+# (bench/admin_commands.py).
 if TYPE_CHECKING:
-    from google.protobuf.message import Message
-
     from weightcache_service.backend import Device
     from weightcache_service.server import TcpListener
 
@@ -74,6 +69,10 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     """Send structlog output at ``level`` and above to stderr as console lines or JSON, and
     standard logging's (the SDK's, libraries') through the same level and renderer, so that
     a ``json`` log holds JSON lines only (structlog's ``ProcessorFormatter``)."""
+    import logging
+
+    import structlog
+
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
@@ -101,13 +100,24 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     )
 
 
+class _Version(argparse.Action):
+    """``--version``, reading the package's version only when asked (importlib.metadata
+    scans the installed distributions)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from weightcache.core.version import __version__
+
+        print(f"weightcache {__version__}")
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightcache",
         description="Serve preloaded model weights to workers (preload), and look after the "
         "daemon (health, ls, info, evict, gc).",
     )
-    parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     daemon = sub.add_parser("preload", help="run the daemon, preloading checkpoints")
@@ -142,7 +152,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="plugin a remote Preload may use; repeatable",
     )
-    daemon.add_argument("--fingerprint-level", choices=LEVELS, default=DEFAULT_LEVEL)
+    daemon.add_argument(
+        "--fingerprint-level",
+        choices=LEVELS,
+        default=DEFAULT_LEVEL,
+        help="how much content the identity covers: full (sha256 of every byte), sampled, "
+        f"layout; workers must load at the same level (default {DEFAULT_LEVEL})",
+    )
     daemon.add_argument("--allow-remote-preload", action="store_true", help="accept Preload RPCs")
     daemon.add_argument(
         "--model-root", action="append", default=[], help="folder remote Preload may read"
@@ -155,13 +171,26 @@ def _parser() -> argparse.ArgumentParser:
         help="how long lease holders get after REVOKING (SIGTERM, evict --force); default 30",
     )
     daemon.add_argument(
+        "--hand-over",
+        action="store_true",
+        help="at SIGTERM, leave the arenas and leases to the next daemon on the socket "
+        "(as SIGUSR2 always does) instead of draining",
+    )
+    daemon.add_argument(
         "--max-memory", default=None, help="arena budget: bytes (8GiB, 500M) or percent (80%%)"
     )
     daemon.add_argument(
         "--headroom", default=None, help="bytes a preload must leave available (default 256MiB)"
     )
-    daemon.add_argument("--log-format", choices=("console", "json"), default="console")
-    daemon.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    daemon.add_argument(
+        "--log-format",
+        choices=("console", "json"),
+        default="console",
+        help="log lines on stderr: console (aligned text) or json (one object a line)",
+    )
+    daemon.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="lowest level logged"
+    )
     daemon.add_argument(
         "--group", default=None, help="group allowed to connect (folder 0750, socket 0660)"
     )
@@ -212,6 +241,10 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--json", action="store_true", help="print the reply as JSON")
         _client_arguments(cmd)
+    leases = sub.add_parser("leases", help="list live leases and who holds them")
+    leases.add_argument("model", nargs="?", default="", help="only the leases on this model")
+    leases.add_argument("--json", action="store_true", help="print the reply as JSON")
+    _client_arguments(leases)
     load = sub.add_parser("load", help="ask the running daemon to preload a checkpoint")
     load.add_argument("model", metavar="PATH|REPO_ID")
     load.add_argument("--revision", default=None, help="Hub branch, tag or commit (default main)")
@@ -222,19 +255,19 @@ def _parser() -> argparse.ArgumentParser:
     probe = health.add_mutually_exclusive_group()
     probe.add_argument(
         "--readiness",
-        dest="service",
+        dest="probe",
         action="store_const",
-        const=READINESS,
+        const="readiness",
         help="every required model READY (the default)",
     )
     probe.add_argument(
         "--liveness",
-        dest="service",
+        dest="probe",
         action="store_const",
-        const=LIVENESS,
+        const="liveness",
         help="the daemon's event loop answers",
     )
-    health.set_defaults(service=READINESS)
+    health.set_defaults(probe="readiness")
     _client_arguments(health)
     evict = sub.add_parser("evict", help="drop a model")
     evict.add_argument("name")
@@ -261,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``weightcache`` command; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command == "preload":
-        return _preload(args)
+        return _preload(args, argv)
     if args.command == "gc":
         return _gc(args.dry_run)
     try:
@@ -272,16 +305,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WeightCacheError as err:
         print(f"weightcache {args.command}: {err.reason}: {err.detail}", file=sys.stderr)
         return EXIT_FAILURE
+    from weightcache_service import admin
+
     if args.command == "health":
-        return _health(socket, args.service, args.timeout)
+        return admin.health(socket, args.probe == "liveness", args.timeout)
     try:
         if args.command == "ls":
-            return _ls(socket, args.timeout, args.json)
+            return admin.ls(socket, args.timeout, args.json)
         if args.command == "info":
-            return _info(socket, args.timeout, args.json)
+            return admin.info(socket, args.timeout, args.json)
+        if args.command == "leases":
+            return admin.leases(socket, args.model, args.timeout, args.json)
         if args.command == "load":
-            return _load(socket, args)
-        return _evict(socket, args.name, args.force, args.timeout)
+            return admin.load(socket, args)
+        return admin.evict(socket, args.name, args.force, args.timeout)
     except WeightCacheError as err:
         print(f"weightcache {args.command}: {err.reason}: {err.detail}", file=sys.stderr)
         return EXIT_FAILURE
@@ -312,7 +349,14 @@ def daemon_socket(args: argparse.Namespace, device: Device | None = None) -> str
     return str(args.socket) if args.socket else default_socket(device.socket_device)
 
 
-def _preload(args: argparse.Namespace) -> int:
+def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    # Before anything imports prometheus_client, which reads the variable at import.
+    from weightcache_service import signals
+
+    signals.ignore_early()  # first: a SIGHUP while the rest imports must not end the daemon
+    ignored = _drop_multiprocess_variables()
+    import structlog
+
     from weightcache.core.plugins import PluginStep
     from weightcache.core.recipe import Placement, Recipe, parse_dtype
     from weightcache.core.tp import TPPlan
@@ -321,9 +365,13 @@ def _preload(args: argparse.Namespace) -> int:
     from weightcache_service.budget import MemoryBudget, parse_size
     from weightcache_service.cache import ServiceOptions
     from weightcache_service.server import DaemonConfig, PreloadSpec, model_roots, run_daemon
-    from weightcache_service.socket_lock import SocketInUseError
+    from weightcache_service.socket_lock import SocketInUseError, SocketLostError
 
     configure_logging(args.log_format, args.log_level)
+    for name, value in ignored.items():
+        structlog.get_logger("weightcache.daemon").warning(
+            "ignored: the daemon's metrics are one process's", variable=name, value=value
+        )
     level = args.fingerprint_level
     if args.drain_timeout is not None and args.drain_timeout < 0:
         print("weightcache preload: --drain-timeout must not be negative", file=sys.stderr)
@@ -377,17 +425,41 @@ def _preload(args: argparse.Namespace) -> int:
             tcp=_tcp(args),
             health_listen=args.health_listen,
             metrics_listen=args.metrics_listen,
+            hand_over=args.hand_over,
+            argv=list(sys.argv[1:] if argv is None else argv),
         )
         run_daemon(config)
-    except (AccessError, DeviceError, SocketInUseError, WeightCacheError, OSError) as err:
+    except (
+        AccessError,
+        DeviceError,
+        SocketInUseError,
+        SocketLostError,
+        WeightCacheError,
+        OSError,
+    ) as err:
         print(f"weightcache preload: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, WeightCacheError) else EXIT_FAILURE
     return 0
 
 
+#: prometheus-client's multiprocess mode (its values in files of this folder), read when
+#: prometheus_client is first imported.
+MULTIPROC_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+
+
+def _drop_multiprocess_variables() -> dict[str, str]:
+    """Drop prometheus-client's multiprocess variables (returned, to be logged) before
+    anything imports it: the daemon is one process with a registry of its own, and a
+    variable set for another application would make its counters write files into that
+    folder, or fail with a bare "No such file or directory" when the folder is missing."""
+    return {name: os.environ.pop(name) for name in MULTIPROC_VARIABLES if name in os.environ}
+
+
 def _models(texts: list[str]) -> list[str]:
     """Model arguments as paths: Hub repo ids resolved in the local Hub cache; what names
     nothing is kept (the daemon refuses it at start-up, logged, and serves the others)."""
+    import structlog
+
     from weightcache_service.hub import resolve_or_keep
 
     paths = []
@@ -461,137 +533,33 @@ def parse_ranks(texts: list[str], size: int) -> list[int]:
     return sorted(ranks)
 
 
-def _health(socket: str, service: str, timeout: float) -> int:
-    if not os.path.exists(socket):
-        print(f"weightcache health: no daemon socket at {socket}", file=sys.stderr)
-        return EXIT_FAILURE
-    try:
-        with grpc.insecure_channel(target(socket)) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    except grpc.RpcError as exc:
-        print(f"weightcache health: not serving: {exc.code().name}", file=sys.stderr)
-        return EXIT_FAILURE
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(name)
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
-
-
-def _print_json(message: Message) -> None:
-    data = json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    print(json.dumps(data, indent=2, sort_keys=True))
-
-
-def _progress(model: pb.Model) -> str:
-    """Load progress: a percentage of the bytes while LOADING, else ``-``."""
-    total = model.progress.bytes_total
-    if model.state != pb.MODEL_STATE_LOADING:
-        return "-"
-    return f"{100 * model.progress.bytes_done // total}%" if total else "0%"
-
-
-def _ls(socket: str, timeout: float, as_json: bool) -> int:
-    channel, stub = connect(socket)
-    with channel:
-        reply = call(lambda: stub.ListModels(pb.ListModelsRequest(), timeout=timeout))
-    if as_json:
-        _print_json(reply)
-        return 0
-    rows = [("NAME", "STATE", "PROGRESS", "BYTES", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT")]
-    for m in reply.models:
-        state = pb.ModelState.Name(m.state).removeprefix("MODEL_STATE_")
-        rows.append(
-            (
-                m.name,
-                state,
-                _progress(m),
-                str(m.size_bytes),
-                str(m.tensor_count),
-                str(m.lease_count),
-                m.recipe.dtype or "-",
-                m.fingerprint.digest[:16],
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    for m in reply.models:
-        if m.error:  # a FAILED model: why, below the table
-            print(f"{m.name}: {m.error}")
-    return 0
-
-
-def _info(socket: str, timeout: float, as_json: bool) -> int:
-    channel, stub = connect(socket)
-    with channel:
-        reply = call(lambda: stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout))
-    if as_json:
-        _print_json(reply)
-        return 0
-    for key in (
-        "version",
-        "protocol_version",
-        "torch_version",
-        "backend",
-        "device",
-        "memory_held_bytes",
-        "memory_budget_bytes",
-        "instance_id",
-    ):
-        print(f"{key}: {getattr(reply, key)}")
-    return 0
-
-
-def _load(socket: str, args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from weightcache_service.load_command import run_load
-
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    console = Console(stderr=True)
-    last = run_load(
-        socket, args.model, args.revision, dtype=args.dtype, timeout=args.timeout, console=console
-    )
-    state = pb.ModelState.Name(last.state).removeprefix("MODEL_STATE_")
-    print(f"{last.model} {state} {last.progress.bytes_total} bytes")
-    return 0 if last.state == pb.MODEL_STATE_READY else EXIT_FAILURE
-
-
-def _evict(socket: str, name: str, force: bool, timeout: float) -> int:
-    channel, stub = connect(socket)
-    with channel:
-        call(lambda: stub.Evict(pb.EvictRequest(name=name, force=force), timeout=timeout))
-    print(f"evicted {name}" if not force else f"evicting {name}")
-    return 0
-
-
 def _gc(dry_run: bool) -> int:
     from weightcache.core.sockets import SHM_DIR
-    from weightcache_service.segments import dead_segments
+    from weightcache_service.segments import Skipped, dead_segments, remove_segment
 
+    skipped: list[Skipped] = []
     try:
-        dead = dead_segments()
+        dead = dead_segments(skipped=skipped)
     except OSError as exc:
         print(f"weightcache gc: cannot list {SHM_DIR}: {exc.strerror}", file=sys.stderr)
         return EXIT_FAILURE
-    status = 0
+    if not dead:
+        print("no segment of a dead daemon: nothing to remove")
+        return 0
     for segment in dead:
         what = f"{segment.path} ({segment.size} bytes, daemon pid {segment.pid})"
         if dry_run:
             print(f"would remove {what}")
             continue
-        try:
-            os.unlink(segment.path)
-        except FileNotFoundError:
-            continue  # another gc, or a starting daemon, was first
-        except OSError as exc:
-            print(f"weightcache gc: cannot remove {segment.path}: {exc.strerror}", file=sys.stderr)
-            status = EXIT_FAILURE
+        refused = remove_segment(segment)
+        if refused is not None:
+            skipped.append(refused)
             continue
         print(f"removed {what}")
-    return status
+    # Names anyone can plant in /dev/shm: reported, never a failure (SECURITY.md).
+    for entry in skipped:
+        print(f"skipped {entry.path}: {entry.why}")
+    return 0
 
 
 if __name__ == "__main__":

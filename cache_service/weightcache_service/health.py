@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import structlog
@@ -26,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 
 from weightcache.core.rpc import LIVENESS, READINESS, SERVICE_NAME
-from weightcache_service.access import AccessError, parse_listen
+from weightcache_service.access import CONNECTION_OPTIONS, AccessError, parse_listen
 from weightcache_service.store import Store
 
 log = structlog.get_logger("weightcache.daemon")
@@ -35,6 +36,42 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 #: Seconds between re-evaluations of readiness (a required model evicted, a drain).
 WATCH_INTERVAL = 0.2
+
+
+class HealthServicer(health_aio.HealthServicer):  # type: ignore[misc]
+    """grpcio-health-checking's asyncio servicer, with a ``Watch`` that writes outside
+    the service's lock.
+
+    The library's ``Watch`` holds the service's ``asyncio.Condition`` while it writes to
+    the stream; a client that opened a zero HTTP/2 flow-control window never lets that
+    write end, so every later ``set`` of the service, the drain's NOT_SERVING among them,
+    waited forever, and SIGTERM with it (issue 27). Here the lock is held only to read the
+    status; a watcher that does not read gets the latest status when it does (the health
+    protocol lets intermediate statuses be skipped), and the server's stop cancels it.
+    """
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        service = request.service
+        condition = self._server_watchers[service]
+        self._watcher_count_by_service[service] += 1
+        sent = None
+        try:
+            while True:
+                async with condition:
+                    while (status := self._status(service)) == sent:
+                        await condition.wait()
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                sent = status
+        finally:
+            self._watcher_count_by_service[service] -= 1
+            if self._watcher_count_by_service[service] == 0:
+                del self._server_watchers[service]
+                del self._watcher_count_by_service[service]
+
+    def _status(self, service: str) -> int:
+        return int(self._server_status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN))
 
 
 class Health:
@@ -46,7 +83,7 @@ class Health:
     """
 
     def __init__(self, store: Store, on_ready: Callable[[], None] = lambda: None) -> None:
-        self.servicer = health_aio.HealthServicer()
+        self.servicer = HealthServicer()
         self._store = store
         self._on_ready = on_ready
         self._notified = False
@@ -164,7 +201,7 @@ class HealthListener:
                 cannot be bound.
         """
         parse_listen(self.address, "--health-listen")
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *CONNECTION_OPTIONS])
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
         try:
             port = server.add_insecure_port(self.address)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import grpc
 
 from weightcache.core.errors import WeightCacheError
-from weightcache.core.protocol import to_grpc_status
+from weightcache.core.status import to_grpc_status
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Behaviour: TypeAlias = Callable[[Any, Any], Any]

@@ -15,10 +15,11 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from weightcache.core.errors import InvalidArgumentError, ResourceExhaustedError
+from weightcache.core.records import WorkerDescription
 
 Clock = Callable[[], float]
 
@@ -42,6 +43,15 @@ class Lease:
         pid: the worker's pid as it reported it.
         session: id of the KeepAlive stream the lease is bound to, once named on one.
         revoke_deadline: clock reading at which a revoked lease's memory is freed.
+        detached: revoked on shared memory: its model was dropped at once and its segment
+            unlinked, which the worker still maps; the lease no longer counts as a
+            holder of any model (:meth:`LeaseTable.for_model`) and lives on, renewed,
+            until released, expired or its stream closes, so that the daemon knows the
+            memory is still mapped.
+        settled: detached, and renewed since: its holder took note of the revoke and
+            keeps its mapping (a drain need not wait for it).
+        granted_at: clock reading at which it was granted.
+        worker: the worker's description of itself (for operators: ListLeases).
     """
 
     lease_id: str
@@ -52,6 +62,10 @@ class Lease:
     pid: int
     session: int | None = None
     revoke_deadline: float | None = None
+    detached: bool = False
+    settled: bool = False
+    granted_at: float = 0.0
+    worker: WorkerDescription = field(default_factory=WorkerDescription)
 
 
 @dataclass
@@ -81,8 +95,16 @@ class LeaseTable:
             return self.default_ttl
         return min(max(ttl, self.min_ttl), self.max_ttl)
 
-    def grant(self, model: str, ttl: float | None, request_id: str, pid: int) -> Lease:
+    def grant(
+        self,
+        model: str,
+        ttl: float | None,
+        request_id: str,
+        pid: int,
+        worker: WorkerDescription | None = None,
+    ) -> Lease:
         """Grant a lease, or return the live one an earlier call with ``request_id`` granted.
+        ``worker`` is kept on the lease as the worker described itself.
 
         Raises:
             InvalidArgumentError: ``request_id`` already holds a lease on another model.
@@ -103,18 +125,38 @@ class LeaseTable:
                 f"pid {pid} holds {self.max_leases_per_pid} leases already; release some"
             )
         granted = self.clamp(ttl)
+        now = self.clock()
         lease = Lease(
             lease_id=secrets.token_hex(16),
             model=model,
             ttl=granted,
-            expire_at=self.clock() + granted,
+            expire_at=now + granted,
             request_id=request_id,
             pid=pid,
+            granted_at=now,
+            worker=worker or WorkerDescription(pid=pid),
         )
         self._leases[lease.lease_id] = lease
         if request_id:
             self._by_request[request_id] = lease.lease_id
         return lease
+
+    def restore(self, lease_id: str, model: str, ttl: float, request_id: str, pid: int) -> Lease:
+        """Take over a lease a predecessor handed over, under the same id: live for a full
+        TTL from now (its holder renews it once its KeepAlive stream reconnects), bound to
+        no stream yet."""
+        lease = Lease(
+            lease_id, model, self.clamp(ttl), self.clock() + self.clamp(ttl), request_id, pid
+        )
+        self._leases[lease_id] = lease
+        if request_id:
+            self._by_request[request_id] = lease_id
+        return lease
+
+    def live_leases(self) -> list[Lease]:
+        """Every live lease (for a hand-over)."""
+        now = self.clock()
+        return [lease for lease in self._leases.values() if not self._over(lease, now)]
 
     def get(self, lease_id: str) -> Lease | None:
         """The live lease with this id, or ``None`` (also once it has expired)."""
@@ -145,6 +187,7 @@ class LeaseTable:
             return None
         lease.expire_at = self.clock() + lease.ttl
         lease.session = session
+        lease.settled = lease.detached
         return lease
 
     def end_if_expired(self, lease_id: str) -> Lease | None:
@@ -181,14 +224,41 @@ class LeaseTable:
             self.release(lease.lease_id)
         return expired
 
+    def live(self) -> list[Lease]:
+        """Every live lease, oldest first."""
+        now = self.clock()
+        live = [lease for lease in self._leases.values() if not self._over(lease, now)]
+        return sorted(live, key=lambda lease: lease.granted_at)
+
     def for_model(self, model: str) -> list[Lease]:
-        """Live leases on a model (expired ones not yet reaped are not live)."""
+        """Live leases holding a model (expired and detached ones do not)."""
         now = self.clock()
         return [
             lease
             for lease in self._leases.values()
-            if lease.model == model and not self._over(lease, now)
+            if lease.model == model and not lease.detached and not self._over(lease, now)
         ]
+
+    def detach(self, model: str) -> list[Lease]:
+        """Mark every lease holding ``model`` as revoked and detached (its arena is being
+        unlinked under the workers' mappings); they end as any lease does, with no
+        deadline."""
+        leases = self.for_model(model)
+        for lease in leases:
+            lease.detached = True
+        return leases
+
+    def live_ids(self, lease_ids: Iterable[str]) -> list[str]:
+        """Those of ``lease_ids`` that are still live."""
+        return [lease_id for lease_id in lease_ids if self._live(lease_id) is not None]
+
+    def unsettled(self) -> int:
+        """Live leases that hold a model, or are detached but not renewed since (their
+        holder may not know yet): what a drain waits for."""
+        now = self.clock()
+        return sum(
+            not lease.settled and not self._over(lease, now) for lease in self._leases.values()
+        )
 
     def revoke(self, model: str, deadline: float) -> list[Lease]:
         """Mark every lease on ``model`` as revoking at ``deadline`` (clock seconds)."""

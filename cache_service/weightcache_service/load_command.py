@@ -46,7 +46,8 @@ def follow(replies: Iterable[pb.PreloadResponse], console: Console) -> pb.Preloa
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
-        DownloadColumn(binary_units=True),
+        # Decimal units in both, as TransferSpeedColumn has no binary ones: GB and MB/s.
+        DownloadColumn(binary_units=False),
         TransferSpeedColumn(),
         TimeElapsedColumn(),
     )

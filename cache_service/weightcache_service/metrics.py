@@ -10,31 +10,49 @@ its own thread, and the cache's tables belong to the loop).
 |---|---|---|---|
 | ``weightcache_models`` | gauge | ``state`` | models by state (loading, ready, failed, evicting) |
 | ``weightcache_memory_held_bytes`` | gauge | | bytes of arenas held |
+| ``weightcache_memory_unlinked_bytes`` | gauge | | bytes of revoked arenas still mapped (3) |
+| ``weightcache_unlinked_arenas`` | gauge | | such arenas |
 | ``weightcache_memory_budget_bytes`` | gauge | | the arena budget (absent when unlimited) |
 | ``weightcache_leases_active`` | gauge | | live leases |
+| ``weightcache_ready`` | gauge | | 1 while readiness is SERVING, else 0 |
 | ``weightcache_acquires_total`` | counter | ``result``, ``reason`` | Acquire RPCs (1) |
 | ``weightcache_acquire_duration_seconds`` | histogram | | Acquire latency in the daemon |
-| ``weightcache_preloads_total`` | counter | ``result`` | loads ended, ``ready`` or ``failed`` |
+| ``weightcache_preloads_total`` | counter | ``result``, ``reason`` | preloads (2) |
 | ``weightcache_preload_bytes_total`` | counter | | bytes of models loaded READY |
 | ``weightcache_preload_seconds_total`` | counter | | seconds spent loading them |
 | ``weightcache_lease_expiries_total`` | counter | | leases ended by their TTL |
 | ``weightcache_lease_revocations_total`` | counter | | leases revoked (forced evict, drain) |
 | ``weightcache_daemon_info`` | gauge | ``version``, ``backend``, ``device_uuid`` | 1 |
+| ``process_*`` | | | prometheus-client's ``ProcessCollector``: RSS, CPU, start time, fds |
 
-(1) ``result`` ``granted`` (``reason`` empty) or ``refused`` (``reason`` the error's).
+(1) ``result`` ``granted`` (``reason`` empty), ``refused`` (``reason`` the error's: the
+worker falls back to disk, or raises), or ``probe_missed``: an Acquire by file identity
+that found no model loaded from those files (``MODEL_NOT_FOUND``), which the SDK follows
+with an Acquire by fingerprint (docs/protocol.md): not a fallback.
+(2) ``result``: loads ended ``ready`` or ``failed``, or ``refused``: a start-up model or
+a Preload RPC refused before its load began (missing or malformed checkpoint, recipe,
+memory budget); ``reason`` the error's (empty for ``ready``).
+(3) Arenas revoked on shared memory: unlinked, but mapped by workers whose revoked leases
+have not ended yet; counted against the budget.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import get_args
 from wsgiref.simple_server import WSGIServer
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -59,6 +77,9 @@ class Snapshot:
     held: int
     budget: int | None
     leases: int
+    ready: bool
+    unlinked: int = 0
+    unlinked_arenas: int = 0
 
 
 class Metrics(CacheEvents):
@@ -67,12 +88,19 @@ class Metrics(CacheEvents):
     Args:
         cache: the cache observed (its ``events`` are set to this object).
         loop: the event loop that owns the cache.
+        ready: whether readiness is SERVING now (read on the loop at each scrape).
     """
 
-    def __init__(self, cache: WeightCache, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        cache: WeightCache,
+        loop: asyncio.AbstractEventLoop,
+        ready: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._cache = cache
         self._loop = loop
+        self._ready = ready
         self.acquires = Counter(
             "weightcache_acquires",
             "Acquire RPCs by result (granted, refused) and refusal reason.",
@@ -86,7 +114,10 @@ class Metrics(CacheEvents):
             registry=self.registry,
         )
         self.preloads = Counter(
-            "weightcache_preloads", "Loads ended, by result.", ["result"], registry=self.registry
+            "weightcache_preloads",
+            "Preloads by result (ready, failed, refused before loading) and reason.",
+            ["result", "reason"],
+            registry=self.registry,
         )
         self.preload_bytes = Counter(
             "weightcache_preload_bytes", "Bytes of models loaded READY.", registry=self.registry
@@ -105,22 +136,32 @@ class Metrics(CacheEvents):
             registry=self.registry,
         )
         self.registry.register(_Gauges(self))
+        # process_* (resident and virtual memory, CPU seconds, start time, open and max
+        # file descriptors), as the default registry has them: this registry is our own.
+        ProcessCollector(registry=self.registry)
         cache.events = self
 
     # -- CacheEvents -------------------------------------------------------------------
 
-    def acquired(self, reason: str, seconds: float) -> None:
-        """Count an Acquire: ``reason`` empty when granted, else the refusal's reason."""
-        self.acquires.labels("refused" if reason else "granted", reason).inc()
+    def acquired(self, reason: str, seconds: float, probe: bool = False) -> None:
+        """Count an Acquire: ``reason`` empty when granted, else the refusal's reason;
+        the miss of an Acquire by file identity (``probe``) as ``probe_missed``."""
+        result = "granted" if not reason else "probe_missed" if probe else "refused"
+        self.acquires.labels(result, reason).inc()
         self.acquire_seconds.observe(seconds)
 
     def loaded(self, entry: Entry) -> None:
         """Count a load that ended, READY or not."""
         ready = entry.state == "ready"
-        self.preloads.labels("ready" if ready else "failed").inc()
+        reason = "" if ready or entry.failure is None else entry.failure.reason
+        self.preloads.labels("ready" if ready else "failed", reason).inc()
         if ready:
             self.preload_bytes.inc(entry.size)
             self.preload_seconds.inc(entry.load_seconds)
+
+    def preload_refused(self, reason: str) -> None:
+        """Count a preload refused before its load began."""
+        self.preloads.labels("refused", reason).inc()
 
     def lease_expired(self) -> None:
         """Count a lease ended by its TTL."""
@@ -143,12 +184,17 @@ class Metrics(CacheEvents):
             states = dict.fromkeys(get_args(ModelState), 0)
             for entry in self._cache.store.entries():
                 states[entry.state] += 1
+            states["failed"] += len(self._cache.store.refusals)
             budget = self._cache.store.budget
+            unlinked = self._cache.unlinked_arenas()
             return Snapshot(
                 states=states,
                 held=self._cache.store.held_bytes(),
                 budget=budget.limit if budget is not None else None,
                 leases=len(self._cache.leases),
+                unlinked=sum(arena.size_bytes for arena in unlinked),
+                unlinked_arenas=len(unlinked),
+                ready=self._ready(),
             )
 
         future = asyncio.run_coroutine_threadsafe(take(), self._loop)
@@ -174,11 +220,26 @@ class _Gauges(Collector):
         yield GaugeMetricFamily(
             "weightcache_memory_held_bytes", "Bytes of arenas held.", value=snap.held
         )
+        yield GaugeMetricFamily(
+            "weightcache_memory_unlinked_bytes",
+            "Bytes of revoked arenas unlinked but still mapped by workers.",
+            value=snap.unlinked,
+        )
+        yield GaugeMetricFamily(
+            "weightcache_unlinked_arenas",
+            "Revoked arenas unlinked but still mapped by workers.",
+            value=snap.unlinked_arenas,
+        )
         if snap.budget is not None:
             yield GaugeMetricFamily(
                 "weightcache_memory_budget_bytes", "The arena budget.", value=snap.budget
             )
         yield GaugeMetricFamily("weightcache_leases_active", "Live leases.", value=snap.leases)
+        yield GaugeMetricFamily(
+            "weightcache_ready",
+            "1 while readiness is SERVING (every required model READY, not draining), else 0.",
+            value=int(snap.ready),
+        )
         env = self._metrics._cache.environment
         info = GaugeMetricFamily(
             "weightcache_daemon_info",

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import os
+import resource
 import signal
 import uuid
 from dataclasses import dataclass, field
@@ -20,38 +23,80 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, Level
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME, target
-from weightcache.core.sockets import segment_tag
+from weightcache.core.sockets import MAX_SOCKET_PATH, SHM_DIR, segment_tag
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
-from weightcache_service.access import Access, AccessError, is_loopback, parse_listen
-from weightcache_service.arena import remove_stale_segments
+from weightcache_service import signals
+from weightcache_service.access import (
+    CONNECTION_OPTIONS,
+    Access,
+    AccessError,
+    is_loopback,
+    parse_listen,
+)
+from weightcache_service.arena import SharedMemoryArena
 from weightcache_service.authz import AuthorizationInterceptor, Policy
 from weightcache_service.backend import CPU_DEVICE, Device, open_backend
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.cache import ServiceOptions, WeightCache
 from weightcache_service.guard import StatusGuard
+from weightcache_service.handover import (
+    HandOverRefusedError,
+    check_segment,
+    manifest_path,
+    read_manifest,
+    write_manifest,
+)
 from weightcache_service.health import Health, HealthListener
 from weightcache_service.leases import LeaseTable
 from weightcache_service.metrics import Metrics, MetricsListener
 from weightcache_service.notify import Notifier
-from weightcache_service.segments import remove_dead_segments, segment_prefix
+from weightcache_service.segments import (
+    Skipped,
+    handover_name,
+    remove_dead_segments,
+    remove_stale_segments,
+    segment_name,
+    segment_prefix,
+)
 from weightcache_service.servicer import WeightCacheServicer
-from weightcache_service.socket_lock import SocketLock
+from weightcache_service.socket_lock import SocketLock, SocketLostError
 from weightcache_service.store import Entry, Store
 
 log = structlog.get_logger("weightcache.daemon")
 
 REAP_INTERVAL = 0.2
+#: Seconds between checks that the socket path and its lock file are still this daemon's.
+SOCKET_CHECK_INTERVAL = 0.5
 #: Seconds each ``EXTEND_TIMEOUT_USEC`` gives systemd's start timeout while start-up
 #: preloads run; sent every third of it.
 START_EXTENSION = 60.0
 #: Largest request accepted: requests carry ids, paths and a fingerprint, never data.
 MAX_REQUEST_BYTES = 4 * 2**20
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (the soft default, often 1024, is
+    what a few hundred idle connections exhaust; the hard limit is the operator's).
+
+    Returns:
+        The ``(soft, hard)`` limits now in force.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning(
+                "cannot raise the file descriptor limit", soft=soft, hard=hard, error=str(exc)
+            )
+    return soft, hard
 
 
 @dataclass(frozen=True)
@@ -144,6 +189,9 @@ class DaemonConfig:
         grace: seconds in-flight RPCs get at shutdown, after the drain.
         health_listen: ``HOST:PORT`` of a plaintext health-only listener, or None.
         metrics_listen: ``HOST:PORT`` of the Prometheus metrics listener, or None.
+        hand_over: ``--hand-over``: SIGTERM hands the arenas and leases over to the next
+            daemon on the socket (as SIGUSR2 always does) instead of draining.
+        argv: the command line it was started with (logged at start).
     """
 
     socket: str
@@ -156,6 +204,8 @@ class DaemonConfig:
     grace: float = 1.0
     health_listen: str | None = None
     metrics_listen: str | None = None
+    hand_over: bool = False
+    argv: list[str] = field(default_factory=list)
 
 
 class Daemon:
@@ -188,12 +238,29 @@ class Daemon:
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._drain_deadline: float | None = None
+        #: (st_dev, st_ino) of the socket this daemon bound.
+        self._socket_id: tuple[int, int] | None = None
+        #: Why the socket path stopped being this daemon's, once it did.
+        self._socket_lost: str | None = None
+        self._hand_over_asked = False
 
-    def stop(self) -> None:
-        """Ask the daemon to drain and shut down; a second call skips the rest of the
-        drain (signal-handler safe)."""
+    def on_signal(self, signum: int) -> None:
+        """A signal of ``signals.STOP``: logged, then :meth:`stop` (a hand-over for SIGTERM
+        under ``--hand-over``)."""
+        name = signal.Signals(signum).name
+        if self._stop.is_set():
+            log.warning("received second signal: cutting the drain short", signal=name)
+        else:
+            log.info("received signal: draining", signal=name, pid=os.getpid())
+        self.stop(self.config.hand_over and signum == signal.SIGTERM)
+
+    def stop(self, hand_over: bool = False) -> None:
+        """Ask the daemon to drain and shut down, or (``hand_over``, on shared memory) to
+        leave its arenas and leases to its successor (:meth:`_hand_over`); a second call
+        skips the rest of the drain (signal-handler safe)."""
         if self._stop.is_set():
             self._force.set()
+        self._hand_over_asked = self._hand_over_asked or hand_over
         self._stop.set()
 
     async def run(self) -> None:
@@ -203,37 +270,153 @@ class Daemon:
             AccessError: the socket folder, the TCP listener, the health or the metrics
                 listener is unusable or unsafe (a malformed or busy address).
             SocketInUseError: another daemon serves the socket.
+            SocketLostError: the socket file was removed or replaced, or another process
+                took its lock, while the daemon served: it stopped (every health service
+                NOT_SERVING first), leaving the path to whoever has it now.
         """
         socket = self.config.socket
+        soft, hard = raise_fd_limit()
+        log.info("file descriptor limit", soft=soft, hard=hard)
         self.config.access.prepare_folder(socket)
         lock = SocketLock(socket)
         try:
+            await asyncio.to_thread(self._adopt, socket)
             self._clean_after_predecessor(socket)
             server = await self._start_server(socket)
             try:
                 await self._start_listeners()
-                await self._serve()
+                await self._serve(lock)
             finally:
                 await self._shutdown(server)
         finally:
+            # Only our own socket: a path taken over by another daemon stays its.
+            if self._socket_id is None or self._socket_problem(None) is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(socket)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(socket)
+                os.unlink(_bind_path(socket))  # a start that failed before the rename
             lock.release()
+        if self._socket_lost is not None:
+            raise SocketLostError(f"socket {socket}: {self._socket_lost}; stopped")
+
+    def _socket_problem(self, lock: SocketLock | None) -> str | None:
+        """Why the socket path is no longer this daemon's (None: it is): the file gone or
+        replaced, or (with ``lock``) its lock file held by another process."""
+        try:
+            st = os.stat(self.config.socket, follow_symlinks=False)
+        except FileNotFoundError:
+            return "the socket file was removed"
+        if (st.st_dev, st.st_ino) != self._socket_id:
+            return "the socket path names another file"
+        if lock is not None and not lock.keep():
+            return "another process holds the socket's lock file"
+        return None
+
+    async def _watch_socket(self, lock: SocketLock) -> None:
+        """Stop when the socket path is no longer ours: workers cannot reach us there, so
+        every health service turns NOT_SERVING (liveness too) and the daemon exits with
+        an error, for its supervisor to start it again."""
+        while True:
+            await asyncio.sleep(SOCKET_CHECK_INTERVAL)
+            why = self._socket_problem(lock)
+            if why is not None:
+                self._socket_lost = why
+                log.error("socket lost: stopping", socket=self.config.socket, why=why)
+                await self.health.shutdown()
+                self.stop()
+                return
+
+    def _adopt(self, socket: str) -> None:
+        """Adopt what a predecessor handed over (:mod:`.handover`): each model whose
+        manifest entry, segment and checkpoint check out, with its leases; what does not is
+        logged and left to :meth:`_clean_after_predecessor`, which removes it."""
+        path = manifest_path(socket)
+        try:
+            held = read_manifest(path)
+        except HandOverRefusedError as exc:
+            log.error("hand-over refused: adopting nothing", manifest=path, why=str(exc))
+            return
+        if held is None:
+            return
+        access = self.config.access
+        for model in held:
+            try:
+                if self.backend.name != "cpu_shm":
+                    raise HandOverRefusedError(f"backend {self.backend.name} adopts no segment")
+                check_segment(model, self._tag)
+                new_path = os.path.join(SHM_DIR, segment_name(self._segment_prefix))
+                entry = self.cache.adopt(
+                    model,
+                    functools.partial(
+                        _adopt_arena, model.segment, new_path=new_path, access=access
+                    ),
+                )
+            except (HandOverRefusedError, WeightCacheError, OSError) as exc:
+                log.error("hand-over: model not adopted", model=model.name, why=str(exc))
+                continue
+            log.info(
+                "adopted",
+                model=entry.name,
+                bytes=entry.size,
+                leases=len(model.leases),
+                fingerprint=entry.fingerprint.digest[:16],
+            )
+
+    async def _hand_over(self) -> None:
+        """Stop for a restart: refuse new leases, leave every READY arena in place with a
+        manifest (:func:`handover.write_manifest`) naming it and its leases, and tell every
+        KeepAlive stream to reconnect to the successor. Without shared memory (a GPU,
+        whose memory dies with the process) it drains instead."""
+        if self.backend.name != "cpu_shm":
+            log.warning("hand-over needs shared memory: draining instead")
+            await self._drain()
+            return
+        self.cache.draining = True
+        self.notifier.send("STOPPING=1", "STATUS=handing over")
+        await self.health.draining()
+        held = []
+        for model in self.cache.handed_over():
+            # Renamed to a name no clean-up of dead daemons' segments removes.
+            renamed = os.path.join(SHM_DIR, handover_name(self._tag))
+            os.rename(model.segment, renamed)
+            held.append(dataclasses.replace(model, segment=renamed))
+        path = manifest_path(self.config.socket)
+        try:
+            await asyncio.to_thread(write_manifest, path, self.instance_id, held)
+        except OSError as exc:
+            log.error("cannot write the hand-over manifest: draining", why=str(exc))
+            await self._drain()
+            return
+        for model in held:
+            self.store.detach(model.name)
+        self.cache.announce_hand_over()
+        log.info(
+            "handed over",
+            manifest=path,
+            models=len(held),
+            leases=sum(len(m.leases) for m in held),
+        )
 
     def _clean_after_predecessor(self, socket: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket)  # we hold the lock: whoever bound it is gone
-        for path in remove_stale_segments(self._tag, self._segment_prefix):
-            log.warning("removed a dead daemon's segment", path=path)
-        # Dead daemons of other sockets too: a crash followed by a restart elsewhere must
-        # not leave its memory behind for good.
+        # /dev/shm is everyone's: whatever is there is checked, and what is not ours to
+        # remove is skipped and logged, never fatal (SECURITY.md).
+        skipped: list[Skipped] = []
         try:
-            dead = remove_dead_segments()
+            stale, skipped = remove_stale_segments(self._tag, self._segment_prefix)
+            # Dead daemons of other sockets too: a crash followed by a restart elsewhere
+            # must not leave its memory behind for good.
+            dead = remove_dead_segments(skipped=skipped)
         except OSError as exc:
             log.warning("cannot look for dead daemons' segments", error=str(exc))
-            dead = []
+            stale, dead = [], []
+        for path in stale:
+            log.warning("removed a dead daemon's segment", path=path)
         for segment in dead:
             log.warning("removed a dead daemon's segment", path=segment.path, pid=segment.pid)
+        for entry in dict.fromkeys(skipped):
+            log.warning("skipped a segment name that is not ours", path=entry.path, why=entry.why)
 
     async def _start_server(self, socket: str) -> grpc.aio.Server:
         tcp = self.config.tcp
@@ -247,30 +430,46 @@ class Daemon:
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                 ("grpc.so_reuseport", 0),
+                *CONNECTION_OPTIONS,
             ],
         )
-        pb_grpc.add_WeightCacheServiceServicer_to_server(WeightCacheServicer(self.cache), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
+        pb_grpc.add_WeightCacheServiceServicer_to_server(
+            WeightCacheServicer(self.cache, socket), server
         )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        _enable_reflection(server)
+        # Bound under a name of its own, then renamed into place: gRPC unlinks the path it
+        # bound when the server stops, and by then the socket path may be another
+        # daemon's (ours was removed or replaced: _watch_socket).
+        bound = _bind_path(socket)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
         try:
-            server.add_insecure_port(target(socket))
+            server.add_insecure_port(target(bound))
             if self.config.tcp is not None:
                 port = self.config.tcp.bind(server)
                 log.info("listening on tcp", address=self.config.tcp.address, port=port)
             await server.start()
         finally:
             os.umask(old_umask)
-        self.config.access.secure_path(socket, self.config.access.socket_mode)
+        self.config.access.secure_path(bound, self.config.access.socket_mode)
+        st = os.stat(bound, follow_symlinks=False)
+        if bound != socket:
+            os.rename(bound, socket)
+        self._socket_id = (st.st_dev, st.st_ino)
         await self.health.bound()
         log.info("listening", socket=socket, instance=self.instance_id[:12], pid=os.getpid())
+        env = self.cache.environment
+        log.info(
+            "started",
+            version=env.weightcache_version,
+            torch=env.torch_version,
+            backend=env.backend,
+            device=self.backend.device,
+            device_uuid=env.device_uuid,
+            models=[spec.path for spec in self.config.preload],
+            required=[spec.path for spec in self.config.preload if spec.required],
+            argv=self.config.argv,
+        )
         return server
 
     async def _start_listeners(self) -> None:
@@ -279,7 +478,9 @@ class Daemon:
         if self._health_listener is not None:
             await self._health_listener.start(self.health)
         if self._metrics_listener is not None:
-            metrics = Metrics(self.cache, asyncio.get_running_loop())
+            metrics = Metrics(
+                self.cache, asyncio.get_running_loop(), ready=lambda: self.health.ready
+            )
             await asyncio.to_thread(self._metrics_listener.start, metrics)
 
     async def _stop_listeners(self) -> None:
@@ -306,8 +507,9 @@ class Daemon:
             self.notifier.send("WATCHDOG=1")
             await asyncio.sleep(interval)
 
-    async def _serve(self) -> None:
+    async def _serve(self, lock: SocketLock) -> None:
         tasks = [
+            asyncio.create_task(self._watch_socket(lock)),
             asyncio.create_task(self._reap_forever()),
             asyncio.create_task(self._preload_startup()),
             asyncio.create_task(self.health.watch()),
@@ -318,7 +520,10 @@ class Daemon:
             tasks.append(asyncio.create_task(self._extend_start()))
         try:
             await self._stop.wait()
-            await self._drain()
+            if self._hand_over_asked:
+                await self._hand_over()
+            else:
+                await self._drain()
         finally:
             for task in tasks:
                 task.cancel()
@@ -326,20 +531,25 @@ class Daemon:
 
     async def _drain(self) -> None:
         """Refuse new leases, push REVOKING to every holder, and wait until they have all
-        released or the drain timeout has passed (or a second signal came)."""
+        taken note or the drain timeout has passed (or a second signal came). A holder
+        has taken note when it released, or (shared memory, where the revoke unlinked the
+        segment under its mapping: :meth:`WeightCache._revoke`) renewed the revoked
+        lease, keeping its mapping: then nothing more is waited for."""
         self.cache.draining = True
         self.notifier.send("STOPPING=1", "STATUS=draining")
         await self.health.draining()
-        live = self.cache.revoke_all()
+        live = len(self.cache.leases)
         if not live:
             return
+        self.cache.revoke_all()
         timeout = self.config.options.drain_timeout
         log.info("draining", leases=live, timeout=timeout)
         loop = asyncio.get_running_loop()
         deadline = self._drain_deadline = loop.time() + timeout
-        while len(self.cache.leases) and loop.time() < deadline and not self._force.is_set():
+        leases = self.cache.leases
+        while leases.unsettled() and loop.time() < deadline and not self._force.is_set():
             await asyncio.sleep(0.05)
-        log.info("drained", leases_left=len(self.cache.leases))
+        log.info("drained", leases_left=leases.unsettled(), leases_kept=len(leases))
 
     async def _reap_forever(self) -> None:
         while True:
@@ -350,7 +560,6 @@ class Daemon:
         cfg = self.config
         tasks = []
         required: list[Entry] = []
-        refused = 0
         for spec in cfg.preload:
             try:
                 entry, task = await self.cache.begin_load(
@@ -369,14 +578,18 @@ class Daemon:
                     self.health.refused()
                 # A model refused for lack of memory stays listed (FAILED): counted below.
                 if not isinstance(err, ResourceExhaustedError):
-                    refused += 1
+                    self.cache.refuse(
+                        spec.path, spec.recipe, spec.placement, spec.fingerprint_level, err
+                    )
                 log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
             except Exception as err:
                 # Never let one model stop the others or leave health NOT_SERVING forever.
-                refused += 1
                 if spec.required:
                     self.health.refused()
                 log.exception("cannot preload", path=spec.path, error=repr(err))
+                self.cache.refuse(
+                    spec.path, spec.recipe, spec.placement, spec.fingerprint_level, err
+                )
         self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         for entry in required:
@@ -385,9 +598,11 @@ class Daemon:
             if isinstance(entry.failure, ModelExistsError) and "model" in entry.failure.metadata:
                 self.health.require_instead(entry.name, entry.failure.metadata["model"])
         await self.health.started()
+        if not self.health.ready:
+            self.notifier.send(f"STATUS={self._not_ready_status()}")
         entries = self.store.entries()
         ready = [e for e in entries if e.state == "ready"]
-        failed = refused + len(entries) - len(ready)
+        failed = len(self.store.refusals) + len(entries) - len(ready)
         (log.error if failed else log.info)(
             "ready",
             socket=cfg.socket,
@@ -395,6 +610,15 @@ class Daemon:
             failed=failed,
             bytes=self.store.held_bytes(),
         )
+
+    def _not_ready_status(self) -> str:
+        """systemd's STATUS= once start-up ended without readiness: the models that are not
+        READY and why (``systemctl status`` shows it while the unit waits, instead of a
+        silent start; the unit's TimeoutStartSec= then applies)."""
+        failed = [f"{m.name}: {m.error}" for m in self.cache.models() if m.state == "failed"]
+        if not failed:
+            return "not ready: start-up ended, a required model is not READY"
+        return f"not ready: {len(failed)} model(s) FAILED: {'; '.join(failed)}"[:1000]
 
     def _grace(self) -> float:
         """Seconds in-flight RPCs get: ``config.grace``, but never past the end of the
@@ -417,20 +641,62 @@ class Daemon:
         log.info("stopped")
 
 
+#: Server reflection's stable name. grpcio-reflection serves only ``v1alpha``, whose
+#: messages ``v1`` repeats field for field under another package (grpc/grpc-proto,
+#: ``grpc/reflection/v1/reflection.proto``): the same servicer answers both.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(server: grpc.aio.Server) -> None:
+    """Serve server reflection as ``grpc.reflection.v1`` (what grpcurl and current
+    clients ask first) and ``grpc.reflection.v1alpha`` (older ones)."""
+    services = (
+        SERVICE_NAME,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        REFLECTION_V1,
+        reflection.SERVICE_NAME,
+    )
+    # reflection.aio is public (enable_server_reflection uses it) but not in its __all__.
+    servicer = reflection.aio.ReflectionServicer(services)  # type: ignore[attr-defined]
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
+
+
+def _adopt_arena(segment: str, size: int, *, new_path: str, access: Access) -> SharedMemoryArena:
+    """:meth:`SharedMemoryArena.adopt` with this daemon's segment mode and group."""
+    return SharedMemoryArena.adopt(segment, size, new_path, access.segment_mode, access.gid)
+
+
+def _bind_path(socket: str) -> str:
+    """Where to bind before renaming onto ``socket``: ``.<socket name>.<pid>`` beside it, or
+    ``socket`` itself when that name would be too long for a Unix socket."""
+    folder, name = os.path.split(socket)
+    bound = os.path.join(folder, f".{name}.{os.getpid()}")
+    return bound if len(os.fsencode(bound)) <= MAX_SOCKET_PATH else socket
+
+
 def run_daemon(config: DaemonConfig) -> None:
-    """Run a daemon in the foreground until SIGTERM or SIGINT.
+    """Run a daemon in the foreground until SIGTERM, SIGINT, SIGQUIT or SIGXCPU (what each
+    signal does: :mod:`weightcache_service.signals`).
 
     Raises:
         AccessError: the socket folder or the TCP listener is unusable or unsafe.
         DeviceError: ``config.device`` names no usable device.
         SocketInUseError: another daemon serves the socket.
+        SocketLostError: the socket path stopped being this daemon's while it served.
     """
 
     async def main() -> None:
         daemon = Daemon(config)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, daemon.stop)
+        signals.install(loop, daemon.on_signal, lambda: daemon.stop(True))
         await daemon.run()
 
     asyncio.run(main())

@@ -16,7 +16,7 @@ from typing import Any, TypeVar, get_args
 
 import grpc
 
-from weightcache.core.errors import NotSameHostError, WeightCacheError
+from weightcache.core.errors import ModelNotFoundError, NotSameHostError, WeightCacheError
 from weightcache.core.protocol import (
     MAX_ID_CHARS,
     MAX_LEASES_PER_REQUEST,
@@ -25,6 +25,7 @@ from weightcache.core.protocol import (
     acquisition_from_pb,
     check_len,
     keepalive_response_pb,
+    lease_holder_pb,
     level_from_pb,
     model_pb,
     model_state_pb,
@@ -33,19 +34,31 @@ from weightcache.core.protocol import (
     recipe_from_pb,
     server_info_pb,
     tensor_views_pb,
+    unlinked_arena_pb,
 )
-from weightcache.core.records import Grant, TensorFormat, TensorView
+from weightcache.core.records import Grant, TensorFormat, TensorView, WorkerDescription
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
-from weightcache_service.access import peer_is_local
+from weightcache_service.access import peer_is_local, peer_is_unix
 from weightcache_service.cache import Outbox, WeightCache
 from weightcache_service.interceptors import abort
-from weightcache_service.store import Entry
+from weightcache_service.peers import connections, holder
+from weightcache_service.refusals import RefusalLog
+from weightcache_service.store import Entry, clip
 
 #: KeepAlive answers queued for a peer before its stream is no longer read.
 MAX_PENDING_RESPONSES = 64
 #: Seconds between Preload progress messages.
 PROGRESS_INTERVAL = 0.25
+#: KeepAlive messages one stream may send per second, on average; the SDK sends one every
+#: TTL/3 (at least 1/3 s apart, the TTL being at least 1 s). A stream over it is no longer
+#: read until its budget allows (HTTP/2 flow control then stalls its sender), so a flood
+#: costs the daemon neither memory nor the time of other clients.
+MAX_KEEPALIVES_PER_SECOND = 20.0
+#: The messages a stream may send at once before the rate applies.
+KEEPALIVE_BURST = 20.0
+#: ErrorInfo metadata keys written into a refusal's log line.
+_LOGGED_METADATA = ("model", "components", "cause", "environment", "field")
 
 R = TypeVar("R")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -59,6 +72,8 @@ def _unary(
         try:
             return await fn(self, request, context)
         except WeightCacheError as err:
+            if fn.__name__ != "Acquire":  # which logs its refusals with more fields
+                self.refusals.refused(fn.__name__, err.reason, err.detail, **_subject(request))
             await abort(context, err)
             raise AssertionError("unreachable: abort raises") from err
 
@@ -72,8 +87,13 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         cache: the models and leases served.
     """
 
-    def __init__(self, cache: WeightCache) -> None:
+    def __init__(
+        self, cache: WeightCache, socket: str = "", refusals: RefusalLog | None = None
+    ) -> None:
         self.cache = cache
+        #: The daemon's Unix socket: its connections are the peers ListLeases names.
+        self.socket = socket
+        self.refusals = refusals or RefusalLog()
         # Per model name and tensor format: its views (the cache's own tuple) and their
         # encoding, made at the first Acquire that asks for it; dropped at Evict, remade
         # when the name holds a new model.
@@ -97,6 +117,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 raise entry.failure
             yield _preload_response(entry)
         except WeightCacheError as err:
+            self.refusals.refused("Preload", err.reason, err.detail, **_subject(request))
             await abort(context, err)
 
     @_unary
@@ -108,7 +129,10 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: Context
     ) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[model_pb(m) for m in self.cache.models()])
+        return pb.ListModelsResponse(
+            models=[model_pb(m) for m in self.cache.models()],
+            unlinked=[unlinked_arena_pb(a) for a in self.cache.unlinked_arenas()],
+        )
 
     @_unary
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
@@ -116,10 +140,50 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         try:
             reply = self._acquire(request, context)
         except WeightCacheError as err:
-            self.cache.events.acquired(err.reason, time.perf_counter() - start)
+            probe = bool(request.files) and isinstance(err, ModelNotFoundError)
+            self.cache.events.acquired(err.reason, time.perf_counter() - start, probe)
+            self._log_acquire_refused(request, context, err)
             raise
         self.cache.events.acquired("", time.perf_counter() - start)
         return reply
+
+    def _log_acquire_refused(
+        self, request: pb.AcquireRequest, context: Context, err: WeightCacheError
+    ) -> None:
+        # Read from the raw request: a refusal at decode (INVALID_ARGUMENT) is logged too,
+        # with every string clipped as in error messages.
+        probe = bool(request.files) and isinstance(err, ModelNotFoundError)
+        self.refusals.refused(
+            "Acquire",
+            err.reason,
+            err.detail,
+            debug=probe,
+            path=clip(request.checkpoint_path),
+            fingerprint=clip(request.fingerprint.digest)[:16],
+            match="files" if request.files else "fingerprint",
+            fingerprint_level=pb.FingerprintLevel.Name(request.fingerprint.level).removeprefix(
+                "FINGERPRINT_LEVEL_"
+            ),
+            peer=lambda: self._peer(request, context),
+            **{k: v for k, v in err.metadata.items() if k in _LOGGED_METADATA},
+        )
+
+    def _peer(self, request: pb.AcquireRequest, context: Context) -> dict[str, object]:
+        """The peer as the daemon sees it (the transport's address; on the Unix socket,
+        its connection's credentials when they can be told apart: :mod:`.peers`) and as
+        the worker describes itself."""
+        fields: dict[str, object] = {"peer": context.peer(), "pid": request.pid}
+        worker = request.worker
+        if worker.hostname or worker.label:
+            fields.update(hostname=clip(worker.hostname), label=clip(worker.label))
+        if self.socket and peer_is_unix(context.peer()):
+            description = WorkerDescription(
+                pid=worker.pid or request.pid, pid_namespace=worker.pid_namespace
+            )
+            creds = holder(description, connections(self.socket))
+            if creds is not None:
+                fields.update(peer_pid=creds.pid, peer_uid=creds.uid, peer_gid=creds.gid)
+        return fields
 
     def _acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         self.cache.check_open()
@@ -147,7 +211,9 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         reader = asyncio.create_task(self._read_keepalives(request_iterator, session, outbox))
         try:
             while (statuses := await outbox.get()) is not None:
-                yield keepalive_response_pb(self.cache.instance_id, statuses)
+                yield keepalive_response_pb(
+                    self.cache.instance_id, statuses, hand_over=self.cache.handing_over
+                )
         finally:
             reader.cancel()
             self.cache.close_session(session)
@@ -155,10 +221,12 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     async def _read_keepalives(
         self, requests: AsyncIterator[pb.KeepAliveRequest], session: int, outbox: Outbox
     ) -> None:
+        budget = _TokenBucket(MAX_KEEPALIVES_PER_SECOND, KEEPALIVE_BURST)
         try:
             async for request in requests:
                 if len(request.lease_ids) > MAX_LEASES_PER_REQUEST:
                     break
+                await budget.take()
                 # A peer that sends without reading must not grow the daemon's memory: stop
                 # reading (so its sends stall) until it has taken its answers.
                 while outbox.qsize() >= MAX_PENDING_RESPONSES:
@@ -183,13 +251,54 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         return pb.EvictResponse(model=model_pb(evicted))
 
     @_unary
+    async def ListLeases(
+        self, request: pb.ListLeasesRequest, context: Context
+    ) -> pb.ListLeasesResponse:
+        check_len("model", request.model, MAX_PATH_CHARS)
+        # Read off the event loop: one readlink and getsockopt per descriptor.
+        peers = await asyncio.to_thread(connections, self.socket) if self.socket else []
+        holders = self.cache.lease_holders(request.model, peers)
+        return pb.ListLeasesResponse(leases=[lease_holder_pb(h) for h in holders])
+
+    @_unary
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: Context
     ) -> pb.GetServerInfoResponse:
         return server_info_pb(self.cache.server_info())
 
 
+def _subject(request: Any) -> dict[str, Any]:
+    """What a request names, for a refusal's log line: a model's ``name`` or a ``path``."""
+    fields = {"name": "model", "path": "path"}
+    return {
+        key: clip(value)
+        for field_name, key in fields.items()
+        if isinstance(value := getattr(request, field_name, None), str) and value
+    }
+
+
 def _preload_response(entry: Entry) -> pb.PreloadResponse:
     return pb.PreloadResponse(
         model=entry.name, state=model_state_pb(entry.state), progress=progress_pb(entry.progress())
     )
+
+
+class _TokenBucket:
+    """``rate`` events per second on average, ``burst`` at once (a token bucket)."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self._rate = rate
+        self._burst = burst
+        self._tokens = burst
+        self._at = time.monotonic()
+
+    async def take(self) -> None:
+        """Wait until one event is allowed, and count it."""
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1:
+            await asyncio.sleep((1 - self._tokens) / self._rate)
+            self._tokens = 1.0
+            self._at = time.monotonic()
+        self._tokens -= 1

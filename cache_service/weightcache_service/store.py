@@ -11,8 +11,9 @@ At level ``full``, shards whose sha256 the hash cache does not hold are hashed w
 are copied into the arena (threads reading the same descriptors), not before: the files are
 read once from disk, and a first load takes about the longer of the two, not their sum.
 Until then the entry's fingerprint is pending (:func:`pending_fingerprint`); a second load
-of the very same files is refused at once by file identity, and one of the same content
-from other files when the hashes are known.
+of the very same files is refused at once by file identity (when that identity vouches for
+their bytes: :meth:`Checkpoint.identities_vouch`), and one of the same content from other
+files when the hashes are known.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ from weightcache.core.errors import (
     ResourceExhaustedError,
     WeightCacheError,
 )
-from weightcache.core.fingerprint import REQUEST_COMPONENTS, Fingerprint, compute_fingerprint
+from weightcache.core.fingerprint import (
+    REQUEST_COMPONENTS,
+    Fingerprint,
+    Level,
+    compute_fingerprint,
+)
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.core.records import LoadProgress, ModelInfo, ModelState, StorageHandle, TensorView
-from weightcache_service.arena import Arena, Slot, plan_slots, tail
+from weightcache_service.arena import Arena, SharedMemoryArena, Slot, plan_slots, tail
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.hashing import ShardHashes
 
@@ -76,7 +82,9 @@ class Entry:
     def loaded_from(self, components: dict[str, str], files: dict[str, FileIdentity]) -> bool:
         """Whether this model has the request components ``components`` (format, placement,
         recipe) and was loaded from ``files``: each file it read is there, by name, with the
-        same identity (dev, inode, size, mtime, ctime), so it is the same file, unchanged."""
+        same identity (dev, inode, size, mtime, ctime), so it is the same file, unchanged
+        (that it proves so: :meth:`Checkpoint.identities_vouch`, checked by callers that
+        hand out the model's bytes for it)."""
         held = self.fingerprint.components
         if any(held.get(name) != components.get(name) for name in REQUEST_COMPONENTS):
             return False
@@ -113,6 +121,45 @@ class Entry:
         )
 
 
+@dataclass
+class Refusal:
+    """A start-up model refused before it held anything: its path names no checkpoint, a
+    header is malformed, its recipe cannot be built. Kept so that ``ls``, ``health`` and
+    the metrics show it FAILED with its reason (there is no checkpoint, hence no
+    fingerprint), until it is evicted or preloaded again.
+
+    Attributes:
+        name: its name among the models (the path's basename, made unique).
+        path: the model argument as given (a path, or a Hub repo id not found).
+        failure: why it was refused.
+    """
+
+    name: str
+    path: str
+    recipe: Recipe
+    placement: Placement
+    level: Level
+    failure: WeightCacheError
+    create_time: float = field(default_factory=time.time)
+
+    def info(self) -> ModelInfo:
+        """The refusal as a FAILED model without fingerprint, bytes or tensors."""
+        return ModelInfo(
+            name=self.name,
+            state="failed",
+            fingerprint=Fingerprint("", self.level, {}),
+            path=self.path,
+            recipe=self.recipe,
+            placement=self.placement,
+            size_bytes=0,
+            tensor_count=0,
+            lease_count=0,
+            create_time=self.create_time,
+            progress=LoadProgress(),
+            error=f"{self.failure.reason}: {self.failure.detail}",
+        )
+
+
 class Store:
     """Every model of one daemon, by name.
 
@@ -127,6 +174,8 @@ class Store:
         self._make_arena = make_arena
         self.budget = budget
         self._entries: dict[str, Entry] = {}
+        #: Start-up models refused before they held anything, by name (listed FAILED).
+        self.refusals: dict[str, Refusal] = {}
         # Taken by a load thread to compare its completed fingerprint and turn READY.
         self._settling = threading.Lock()
 
@@ -154,6 +203,8 @@ class Store:
         placement: Placement,
         pipeline: Pipeline,
         fp: Fingerprint,
+        *,
+        unlinked: int = 0,
     ) -> Entry:
         """Register a model in state LOADING and size its arena from the planned specs.
 
@@ -166,6 +217,8 @@ class Store:
             fp: the fingerprint, or at level ``full`` a pending one
                 (:func:`~weightcache.core.fingerprint.pending_fingerprint`): the load then
                 hashes the shards and completes it.
+            unlinked: bytes of revoked arenas workers still map, counted against the
+                budget (:meth:`MemoryBudget.check`).
 
         Raises:
             ModelExistsError: a model with the same fingerprint is already held, or one
@@ -184,16 +237,14 @@ class Store:
                     f"model {entry.name!r} already holds this fingerprint",
                     metadata={"model": entry.name},
                 )
-        name = self._unique_name(checkpoint, recipe, placement)
+        self.drop_refusals(str(checkpoint.root))
+        name = self._unique_name(str(checkpoint.root), recipe, placement)
         entry = Entry(name, checkpoint, recipe, placement, pipeline, fp)
-        entry.slots, entry.size = plan_slots(
-            (name, node.spec.dtype, node.spec.shape) for name, node in pipeline.nodes.items()
-        )
-        entry.data_bytes = sum(slot.nbytes for slot in entry.slots)
+        _plan(entry)
         if self.budget is not None:
             try:
                 held, pending = self.held_bytes(), self.pending_bytes()
-                self.budget.check(entry.name, entry.size, held, pending)
+                self.budget.check(entry.name, entry.size, held, pending, unlinked)
             except ResourceExhaustedError as err:
                 if fp.pending:
                     raise  # not kept: the caller hashes it and adds it again
@@ -204,14 +255,84 @@ class Store:
         self._entries[entry.name] = entry
         return entry
 
-    def _unique_name(self, checkpoint: Checkpoint, recipe: Recipe, placement: Placement) -> str:
-        base = os.path.basename(checkpoint.root) or "model"
+    def adopt(  # noqa: PLR0917 (each argument is one part of the entry)
+        self,
+        name: str,
+        checkpoint: Checkpoint,
+        recipe: Recipe,
+        placement: Placement,
+        pipeline: Pipeline,
+        fp: Fingerprint,
+        arena_of: Callable[[int], Arena],
+        load_seconds: float,
+    ) -> Entry:
+        """Register as READY a model whose arena a predecessor handed over
+        (:mod:`weightcache_service.handover`): its layout is planned from the checkpoint's
+        headers, as a load plans it, and ``arena_of(size)`` adopts the segment, which must
+        be of that size. Named ``name`` if free. No budget check: the memory is held already.
+
+        Raises:
+            ValueError: the planned size is not the segment's (``arena_of`` raises it, or
+                anything it raises).
+        """
+        if name in self._entries:
+            name = self._unique_name(str(checkpoint.root), recipe, placement)
+        entry = Entry(name, checkpoint, recipe, placement, pipeline, fp)
+        _plan(entry)
+        entry.arena = arena_of(entry.size)
+        entry.views = tuple(slot.view() for slot in entry.slots)
+        entry.handle = entry.arena.handle()
+        entry.bytes_done, entry.tensors_done = entry.data_bytes, len(entry.slots)
+        entry.load_seconds = load_seconds
+        entry.state = "ready"
+        entry.finished.set()
+        self._entries[name] = entry
+        return entry
+
+    def detach(self, name: str) -> Entry:
+        """Drop a model, leaving its segment in place for a successor (hand-over): the
+        daemon's mapping is closed, the segment is not unlinked.
+
+        Raises:
+            ModelNotFoundError: no such model.
+        """
+        entry = self.get(name)
+        del self._entries[name]
+        entry.handle = None
+        if isinstance(entry.arena, SharedMemoryArena):
+            entry.arena.close(unlink=False)
+        entry.arena = None
+        return entry
+
+    def refuse(
+        self,
+        path: str,
+        recipe: Recipe,
+        placement: Placement,
+        level: Level,
+        failure: WeightCacheError,
+    ) -> Refusal:
+        """Keep a start-up model refused before it held anything (:class:`Refusal`)."""
+        failure.__traceback__ = failure.__context__ = failure.__cause__ = None
+        name = self._unique_name(path.rstrip("/"), recipe, placement)
+        refusal = Refusal(name, path, recipe, placement, level, failure)
+        self.refusals[name] = refusal
+        return refusal
+
+    def drop_refusals(self, root: str) -> None:
+        """Forget the refusals of the checkpoint folder ``root`` (it is being loaded)."""
+        for name, refusal in list(self.refusals.items()):
+            if os.path.realpath(refusal.path) == root:
+                del self.refusals[name]
+
+    def _unique_name(self, root: str, recipe: Recipe, placement: Placement) -> str:
+        base = os.path.basename(root) or "model"
         if placement.tp_size > 1:
             base += f"-tp{placement.tp_rank}of{placement.tp_size}"
         if recipe.dtype:
             base += f"-{recipe.dtype.lower()}"
         name, n = base, 1
-        while name in self._entries:
+        while name in self._entries or name in self.refusals:
             n += 1
             name = f"{base}-{n}"
         return name
@@ -352,6 +473,19 @@ class Store:
                 metadata={"path": clip(path)},
             )
         _, entry, differing = best
+        if entry.fingerprint.level != fp.level:
+            raise FingerprintMismatchError(
+                f"held model {entry.name!r} was fingerprinted at level "
+                f"{entry.fingerprint.level!r}, this request at level {fp.level!r}: a "
+                "fingerprint at another level differs in every checkpoint file, whether or "
+                f"not the files changed; load with fingerprint_level="
+                f"{entry.fingerprint.level!r} (the daemon's --fingerprint-level)",
+                metadata={
+                    "model": entry.name,
+                    "components": ",".join(differing),
+                    "level": entry.fingerprint.level,
+                },
+            )
         dtype = entry.recipe.dtype or "as stored"
         held = (
             f"fingerprint level {entry.fingerprint.level}, dtype {dtype}, "
@@ -379,8 +513,18 @@ class Store:
             for e in self._entries.values()
             if e.state != "evicting" and e.loaded_from(components, files)
         ]
-        for entry in sorted(matches, key=lambda e: e.state != "ready"):
+        vouched = [e for e in matches if e.checkpoint.identities_vouch()]
+        for entry in sorted(vouched, key=lambda e: e.state != "ready"):
             return _ready(entry)
+        if matches:
+            # Same identity, but changed within a timestamp granule of the daemon's read:
+            # the identity cannot tell, the worker's own fingerprint can.
+            raise ModelNotFoundError(
+                f"model {matches[0].name!r} was loaded from these files, but they changed "
+                "within their file system's timestamp granule of when the daemon read them: "
+                "their identity cannot vouch for their bytes; send the fingerprint",
+                metadata={"path": clip(path), "model": matches[0].name},
+            )
         raise ModelNotFoundError(
             f"no held model was loaded from the files of {clip(path)} with this recipe, "
             "placement and fingerprint level",
@@ -441,6 +585,15 @@ def clip(text: str) -> str:
     return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "…"
 
 
+def _plan(entry: Entry) -> None:
+    """Lay out ``entry``'s tensors in its arena (slots, size, data bytes), from its
+    pipeline's specs."""
+    entry.slots, entry.size = plan_slots(
+        (name, node.spec.dtype, node.spec.shape) for name, node in entry.pipeline.nodes.items()
+    )
+    entry.data_bytes = sum(slot.nbytes for slot in entry.slots)
+
+
 def _fail(entry: Entry, error: WeightCacheError) -> None:
     """Mark ``entry`` FAILED with ``error``, kept without its traceback: the frames of a
     failed read hold views of the arena, which would keep it mapped."""
@@ -455,7 +608,9 @@ def _same_model(entry: Entry, fp: Fingerprint, files: dict[str, FileIdentity]) -
     digest, or (either fingerprint may be pending) the same files and request components."""
     if fp.digest and entry.fingerprint.digest == fp.digest:
         return True
-    return entry.loaded_from(fp.components, files)
+    # By identity only where it vouches: files rewritten within a timestamp granule of the
+    # held load are loaded again, and refused then only if their digest is the same.
+    return entry.loaded_from(fp.components, files) and entry.checkpoint.identities_vouch()
 
 
 def _ready(entry: Entry) -> Entry:

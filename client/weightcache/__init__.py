@@ -6,7 +6,14 @@
 """
 
 import importlib as _importlib
+import os as _os
 import typing as _typing
+
+# gRPC's fork support (its at-fork handlers, which quiesce its threads and reset its
+# poller), read once when grpc is first imported: a worker forked after using the SDK
+# then connects afresh (weightcache.core.forking). The daemon, an asyncio server that
+# never forks, turns it off in weightcache_service/__init__.py first.
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "1")
 
 if _typing.TYPE_CHECKING:
     from weightcache._lease import EXIT_LEASE_LOST, ClientLease

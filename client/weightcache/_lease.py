@@ -7,12 +7,26 @@ lost when that window passes without an acknowledgement, when the stream breaks 
 daemon died), when the daemon answers NOT_FOUND or from a new instance (it restarted), or
 when it pushes REVOKING.
 
+A daemon stopping for a restart with a hand-over says so on the stream
+(``KeepAliveResponse.hand_over``) before it ends it: the session then reconnects to the same
+socket every :data:`RECONNECT_INTERVAL` seconds while its leases are valid, and renews them
+there; the successor answers ACTIVE (from a new instance) for the leases it adopted, which
+live on under the same ids, and NOT_FOUND for the others, which are lost.
+
 When the daemon pushes REVOKING (a forced evict, or a drain at SIGTERM), the lease's
 ``on_revoke`` policy decides, on the keepalive thread:
 
-- ``"copy"`` (default): make the mapped pages private to this process (every view keeps
-  its address and bytes), release the lease, and carry on. A worker survives a daemon
-  upgrade without restarting.
+- ``"keep"`` (default): when the REVOKING status carries no deadline (shared memory: the
+  daemon has dropped the model and unlinked its segment, and frees nothing under a
+  mapping), keep the mapping as it is: no copy, no new memory; its bytes cannot change
+  (the segment is read-only to workers and was freed only by unlink). The lease is still
+  renewed, so that the daemon counts the unlinked bytes as mapped, and released at
+  ``close()``, when this process unmaps them; it can no longer be lost (a broken stream
+  or a NOT_FOUND ends it silently). With a deadline (a GPU, where the memory dies with
+  the daemon), as ``"copy"``.
+- ``"copy"``: make the mapped pages private to this process (every view keeps its
+  address and bytes), release the lease, and carry on. Costs one copy of the arena per
+  worker; the GPU's behaviour, available on CPU for who wants its own pages.
 - ``"raise"`` / ``"exit"``: treat the lease as lost (below), whatever its loss policy says
   for ``"raise"`` versus ``"exit"`` respectively.
 
@@ -42,7 +56,8 @@ from typing import Literal
 import grpc
 
 from weightcache._log import get_logger
-from weightcache.core.errors import LeaseLostError
+from weightcache.core.errors import DaemonUnavailableError, LeaseLostError
+from weightcache.core.forking import calling
 from weightcache.core.per_process import PerProcess
 from weightcache.core.protocol import lease_status_from_pb
 from weightcache.core.rpc import retire, shared
@@ -60,8 +75,10 @@ def default_policy(device_type: str) -> Policy:
     return "ignore" if device_type == "cpu" else "exit"
 
 
-RevokePolicy = Literal["copy", "raise", "exit"]
-REVOKE_POLICIES: tuple[RevokePolicy, ...] = ("copy", "raise", "exit")
+RevokePolicy = Literal["keep", "copy", "raise", "exit"]
+REVOKE_POLICIES: tuple[RevokePolicy, ...] = ("keep", "copy", "raise", "exit")
+#: Seconds between attempts to reach the successor of a daemon that handed over.
+RECONNECT_INTERVAL = 0.1
 #: Exit status under the ``exit`` policy (EX_TEMPFAIL from sysexits.h).
 EXIT_LEASE_LOST = 75
 Clock = Callable[[], float]
@@ -82,7 +99,10 @@ class ClientLease:
         on_revoke: what to do on REVOKING.
         privatize: makes this process's mapping private (for ``on_revoke="copy"``).
         lost: the loss, once it happened.
-        revoked: the lease was revoked and handled by copying; the tensors are private.
+        revoked: the lease was revoked and handled by copying (the tensors are private)
+            or by keeping the unlinked mapping (``kept``).
+        kept: revoked and handled by keeping the mapping: renewed until ``close()``
+            releases it, never lost.
         pid: the process that acquired it, the only one that renews or releases it (a
             forked child inherits the object, not the lease).
     """
@@ -93,10 +113,11 @@ class ClientLease:
     policy: Policy
     on_lost: LostCallback | None
     last_ack: float
-    on_revoke: RevokePolicy = "copy"
+    on_revoke: RevokePolicy = "keep"
     privatize: Callable[[], None] | None = None
     lost: LeaseLostError | None = None
     revoked: bool = False
+    kept: bool = False
     pid: int = field(default_factory=os.getpid)
     _fired: threading.Event = field(default_factory=threading.Event)
 
@@ -138,6 +159,8 @@ class KeepAliveSession:
         self._closed = threading.Event()
         # The process's shared channel: its Acquires and Releases use the same connection.
         self._channel, self._stub = shared(socket)
+        #: The daemon announced a hand-over (KeepAliveResponse.hand_over) on this stream.
+        self._handed_over = False
         self._thread = threading.Thread(target=self._run, name="weightcache-keepalive", daemon=True)
         self._thread.start()
 
@@ -162,17 +185,52 @@ class KeepAliveSession:
             self._leases.pop(lease_id, None)
 
     def _run(self) -> None:
+        reconnect_until: float | None = None
         try:
-            for response in self._stub.KeepAlive(self._requests()):
-                self._on_response(response)
-        except grpc.RpcError as exc:
-            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
-            self._lose_all(f"keepalive stream to {self.socket} broke ({code})")
+            while True:
+                try:
+                    for response in self._stub.KeepAlive(self._requests()):
+                        reconnect_until = None
+                        self._on_response(response)
+                except grpc.RpcError as exc:
+                    if reconnect_until is None and not self._handed_over:
+                        code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+                        self._lose_all(f"keepalive stream to {self.socket} broke ({code})")
+                        return
+                if self._handed_over:
+                    # The daemon stopped for a restart and handed its leases over: its
+                    # successor on the same socket knows them, for as long as they are valid.
+                    self._handed_over = False
+                    reconnect_until = self._clock() + self._validity_left()
+                    log.info("daemon handing over: reconnecting", socket=self.socket)
+                if reconnect_until is None or not self._reconnect(reconnect_until):
+                    return
+
         finally:
             self._closed.set()
             self._lose_all(f"keepalive stream to {self.socket} ended")
             # The stream ends when the daemon goes (or breaks): the next load connects anew.
             retire(self.socket, self._channel)
+
+    def _reconnect(self, until: float) -> bool:
+        """Open a channel to the socket again, retrying until ``until`` (clock seconds)
+        while no socket is there; False if none came."""
+        retire(self.socket, self._channel)
+        while self._clock() < until:
+            time.sleep(RECONNECT_INTERVAL)
+            try:
+                self._channel, self._stub = shared(self.socket)
+            except DaemonUnavailableError:
+                continue  # the successor has not bound the socket yet
+            return True
+        return False
+
+    def _validity_left(self) -> float:
+        """Seconds until the last live lease's validity passes (0 without one)."""
+        with self._lock:
+            leases = list(self._leases.values())
+        now = self._clock()
+        return max((lease.last_ack + lease.validity - now for lease in leases), default=0.0)
 
     def _requests(self) -> Iterator[pb.KeepAliveRequest]:
         # Holds lease ids only, never a ClientLease: the generator's frame lives as long as
@@ -214,22 +272,37 @@ class KeepAliveSession:
 
     def _on_response(self, response: pb.KeepAliveResponse) -> None:
         now = self._clock()
+        self._handed_over |= response.hand_over
         for status in map(lease_status_from_pb, response.leases):
             with self._lock:
                 lease = self._leases.get(status.lease_id)
             if lease is None:
                 continue
-            if response.instance_id != lease.instance_id:
+            if response.instance_id != lease.instance_id and status.state == "active":
+                # A successor adopted the lease (hand-over): same id, new instance.
+                log.info("lease handed over", lease=lease.lease_id[:8])
+                lease.instance_id = response.instance_id
+                lease.last_ack = now
+            elif response.instance_id != lease.instance_id:
                 self._lose(lease, "the daemon restarted (new instance id)")
             elif status.state == "active":
                 lease.last_ack = now
+            elif lease.kept and status.state == "revoking":
+                lease.last_ack = now  # still counted by the daemon as mapped
             elif status.state == "revoking":
-                self._revoke(lease)
+                self._revoke(lease, keep=status.revoke_deadline is None)
             else:
                 self._lose(lease, "the daemon no longer knows the lease")
 
-    def _revoke(self, lease: ClientLease) -> None:
-        if lease.on_revoke != "copy" or lease.privatize is None:
+    def _revoke(self, lease: ClientLease, *, keep: bool) -> None:
+        """Handle REVOKING under the lease's ``on_revoke``; ``keep``: the daemon frees
+        nothing under the mapping (no deadline), so ``"keep"`` may keep it."""
+        if lease.on_revoke == "keep" and keep:
+            lease.revoked = lease.kept = True
+            log.warning("lease revoked: keeping the mapping, no copy", lease=lease.lease_id[:8])
+            self._wake.put(None)  # renew at once: tells a draining daemon it may go
+            return
+        if lease.on_revoke not in ("keep", "copy") or lease.privatize is None:
             if lease.on_revoke == "exit":
                 lease.policy = "exit"
             self._lose(lease, "the daemon is revoking the lease (evict or drain)")
@@ -244,7 +317,7 @@ class KeepAliveSession:
             self._leases.pop(lease.lease_id, None)
         log.warning("lease revoked: weights copied to private memory", lease=lease.lease_id[:8])
         # If Release fails the daemon frees the memory at the revoke deadline anyway.
-        with contextlib.suppress(grpc.RpcError):
+        with contextlib.suppress(grpc.RpcError, DaemonUnavailableError), calling():
             self._stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=5.0)
 
     def _lose_all(self, why: str) -> None:
@@ -257,8 +330,15 @@ class KeepAliveSession:
         with self._lock:
             if self._leases.pop(lease.lease_id, None) is None:
                 return
+        if lease.kept:
+            # Revoked and kept: the mapping is ours whatever the daemon does; nothing lost.
+            log.info("revoked lease ended", lease=lease.lease_id[:8], why=why)
+            return
         lease.lost = LeaseLostError(f"lease {lease.lease_id[:8]} lost: {why}")
-        log.error("lease lost", lease=lease.lease_id[:8], why=why, policy=lease.policy)
+        # Under "ignore" (the CPU default) the mapping keeps its bytes: nothing is lost
+        # that the worker reads, so it is a warning, not an error.
+        emit = log.warning if lease.policy == "ignore" else log.error
+        emit("lease lost", lease=lease.lease_id[:8], why=why, policy=lease.policy)
         try:
             if lease.on_lost is not None:
                 lease.on_lost(lease.lost)

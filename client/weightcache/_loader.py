@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import socket
 import time
 import uuid
 from collections.abc import Callable, Hashable, Iterator
@@ -37,6 +38,7 @@ from typing import ClassVar, Literal, Union, Unpack
 import torch
 
 from weightcache import _sharing
+from weightcache._disk import read_tensors
 from weightcache._handles import MappedArena, open_cuda_ipc, open_shared_memory
 from weightcache._lease import (
     ClientLease,
@@ -71,13 +73,15 @@ from weightcache.core.fingerprint import (
     compute_fingerprint,
     request_components,
 )
-from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.protocol import (
+    MAX_HOSTNAME_CHARS,
+    MAX_ID_CHARS,
     acquire_request_pb,
     fingerprint_from_pb,
     lease_from_pb,
     storage_from_pb,
     view_columns_from_pb,
+    worker_pb,
 )
 from weightcache.core.recipe import Pipeline, Placement, Recipe, parse_dtype
 from weightcache.core.records import (
@@ -87,9 +91,10 @@ from weightcache.core.records import (
     SharedMemoryHandle,
     StorageHandle,
     ViewColumns,
+    WorkerDescription,
 )
 from weightcache.core.rpc import call_shared
-from weightcache.core.sockets import default_socket
+from weightcache.core.sockets import default_socket, no_socket, socket_denied
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1.weight_cache_service_pb2_grpc import WeightCacheServiceStub
@@ -235,12 +240,13 @@ class LoadedWeights:
 
 
 def end_lease(socket: str, lease: ClientLease) -> None:
-    """Stop renewing a lease and release it, unless it was lost or revoked (then the
-    daemon has ended it)."""
+    """Stop renewing a lease and release it, unless it was lost or revoked and copied
+    (then the daemon has ended it). A revoked lease kept (``on_revoke="keep"``) is
+    released: the daemon counts its unlinked arena as mapped until then."""
     session = live_session(socket)
     if session is not None:
         session.remove(lease.lease_id)
-    if lease.lost is None and not lease.revoked:
+    if lease.lost is None and (lease.kept or not lease.revoked):
         release(socket, lease.lease_id)
 
 
@@ -352,7 +358,7 @@ def _load_checkpoint(
     log.warning(
         "loading from disk", reason=reason.code, detail=reason.detail, path=str(checkpoint.root)
     )
-    return _from_disk(checkpoint, pipeline, fp, reason)
+    return _from_disk(checkpoint, pipeline, fp, reason, opts.mode)
 
 
 #: Answers to an Acquire by file identity that the whole fingerprint may change: the
@@ -419,28 +425,48 @@ def load_from_disk(
     fingerprint_level: Level = DEFAULT_LEVEL,
     tp_rank: int = 0,
     tp_size: int = 1,
+    mode: Mode = "zero_copy",
 ) -> LoadedWeights:
     """Load a checkpoint from disk with the recipe ``load()`` would apply; no daemon.
 
+    The same headers are validated, the same fingerprint computed and the same recipe
+    applied as by :func:`load`, whose disk fallback this is (:mod:`weightcache._disk`).
+
+    Args:
+        model_dir: checkpoint folder (``model.safetensors`` or a sharded index), or one
+            ``.safetensors`` file.
+        dtype, recipe, fingerprint_level, tp_rank, tp_size: as :class:`LoadOptions`.
+        mode: ``"zero_copy"`` (default): the shard files are mapped private and
+            copy-on-write, as ``safetensors.torch.load_file`` maps them, and each tensor
+            the recipe leaves as stored is a view of them (read when used; a shard
+            rewritten in place or truncated *after* the load changes those pages or
+            makes reading them fail with ``SIGBUS``, as with ``load_file``). ``"copy"``:
+            every tensor is read into private memory.
+
+    Returns:
+        The weights, ``source == "disk"``: CPU tensors, by name in checkpoint order.
+
     Raises:
-        ValueError: ``recipe`` and ``dtype`` are both given, or ``fingerprint_level`` is
-            unknown (the checks of :class:`LoadOptions`).
+        ValueError: ``recipe`` and ``dtype`` are both given, or ``fingerprint_level`` or
+            ``mode`` is unknown (the checks of :class:`LoadOptions`).
         InvalidCheckpointError: the checkpoint is malformed, or a shard changed (dev,
-            inode, size, mtime or ctime) while it was being read.
+            inode, size, mtime or ctime; a truncation included) while it was being
+            loaded.
         RecipeError: the dtype or placement is invalid.
     """
     options = LoadOptions(
         dtype=dtype,
         recipe=recipe,
+        mode=mode,
         fingerprint_level=fingerprint_level,
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
-    with open_checkpoint(model_dir) as checkpoint:
+    with _gc_paused(), open_checkpoint(model_dir) as checkpoint:
         placement = Placement(tp_rank, tp_size)
         pipeline = _recipe_of(options).build(checkpoint, placement)
         fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
-        return _from_disk(checkpoint, pipeline, fp, None)
+        return _from_disk(checkpoint, pipeline, fp, None, mode)
 
 
 def _recipe_of(options: LoadOptions) -> Recipe:
@@ -449,12 +475,13 @@ def _recipe_of(options: LoadOptions) -> Recipe:
 
 
 def _from_disk(
-    checkpoint: Checkpoint, pipeline: Pipeline, fp: Fingerprint, reason: FallbackReason | None
+    checkpoint: Checkpoint,
+    pipeline: Pipeline,
+    fp: Fingerprint,
+    reason: FallbackReason | None,
+    mode: Mode,
 ) -> LoadedWeights:
-    with CheckpointReader(checkpoint) as reader:
-        tensors = {name: materialize(node, reader) for name, node in pipeline.nodes.items()}
-    # The fingerprint was computed from these files before they were read here.
-    checkpoint.check_unchanged()
+    tensors = read_tensors(checkpoint, pipeline.nodes, copy=mode == "copy")
     return LoadedWeights(
         tensors, source="disk", fingerprint=fp, checkpoint=checkpoint, fallback_reason=reason
     )
@@ -544,6 +571,7 @@ class _Attach:
         checkpoint: Checkpoint | Path,
     ) -> LoadedWeights:
         owner = self._check_socket()
+        request.worker.CopyFrom(worker_pb(describe_worker(self.mode)))
         # Copy mode keeps no lease to share: no key is made for it.
         key = self._sharing_key(request) if self.mode == "zero_copy" else None
         if key is not None and (held := _sharing.take(key)) is not None:
@@ -572,8 +600,9 @@ class _Attach:
             socket=self.socket,
             model=reply.model.name,
             # The daemon's copy of the same header's: by fingerprint, the layout component
-            # covers every header; by file identity, the headers are the same files'.
-            metadata=dict(reply.model.metadata),
+            # covers every header; by file identity, the headers are the same files'. Over
+            # MAX_METADATA_BYTES the daemon sends none: read from the checkpoint then.
+            metadata=_metadata(reply.model),
         )
         if self.mode == "copy":
             release(self.socket, lease_id)
@@ -590,7 +619,7 @@ class _Attach:
         )
         session_for(self.socket).add(weights.lease)
         if key is not None and isinstance(storage, SharedMemoryHandle):
-            metadata = dict(reply.model.metadata)
+            metadata = _metadata(reply.model)
             answer = _sharing.Answer(storage, views, owner, fp, reply.model.name, metadata)
             weights._shared = _sharing.share(key, weights.lease, answer, arena)
         return weights
@@ -640,7 +669,7 @@ class _Attach:
             checkpoint=checkpoint,
             socket=self.socket,
             model=answer.model,
-            metadata=dict(answer.metadata),
+            metadata=None if answer.metadata is None else dict(answer.metadata),
             lease=held.lease,
         )
         weights._shared = held
@@ -657,12 +686,10 @@ class _Attach:
             try:
                 return check_socket(self.socket, self.trusted)
             except PermissionError as exc:
-                raise DaemonUnavailableError(
-                    f"cannot reach the daemon socket {self.socket}: {exc.strerror}"
-                ) from None
+                raise DaemonUnavailableError(socket_denied(self.socket, exc.strerror)) from None
             except FileNotFoundError:
                 if time.monotonic() + RETRY_INTERVAL > deadline:
-                    raise DaemonUnavailableError(f"no daemon socket at {self.socket}") from None
+                    raise DaemonUnavailableError(no_socket(self.socket)) from None
                 time.sleep(RETRY_INTERVAL)
 
     def _map(
@@ -682,6 +709,26 @@ class _Attach:
         if isinstance(storage, CudaIpcHandle):
             return open_cuda_ipc(storage, views, copy=copy), storage, views
         return open_shared_memory(storage, views, copy=copy, owner=owner), storage, views
+
+
+#: The environment variable whose value a worker sends as its label (ListLeases).
+ENV_LABEL = "WEIGHTCACHE_LABEL"
+
+
+def describe_worker(mode: str) -> WorkerDescription:
+    """This process as it describes itself in an Acquire: its pid, host name, label
+    (``$WEIGHTCACHE_LABEL``, cut to 128 characters), pid namespace and ``mode``."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0  # not Linux, or no procfs
+    return WorkerDescription(
+        pid=os.getpid(),
+        hostname=socket.gethostname()[:MAX_HOSTNAME_CHARS],
+        label=os.environ.get(ENV_LABEL, "")[:MAX_ID_CHARS],
+        pid_namespace=namespace,
+        mode=mode,
+    )
 
 
 def _acquire_request(
@@ -727,3 +774,10 @@ def _acquire_once(socket: str, request: pb.AcquireRequest) -> pb.AcquireResponse
         return reply
 
     return call_shared(socket, acquire)
+
+
+def _metadata(model: pb.Model) -> dict[str, str] | None:
+    """The ``__metadata__`` a Model message echoes, or None when the daemon omitted it
+    (over ``core.protocol.MAX_METADATA_BYTES``): ``LoadedWeights.metadata`` then reads the
+    checkpoint's header."""
+    return None if model.metadata_omitted else dict(model.metadata)

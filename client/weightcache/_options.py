@@ -49,7 +49,9 @@ class LoadOptions:
         recipe: the full recipe (dtype, tensor-parallel plan, plugins); None (default)
             means ``Recipe(dtype=dtype)``. Not together with ``dtype``.
         mode: ``"zero_copy"`` (default) maps the daemon's arena and holds a lease;
-            ``"copy"`` copies into private memory and releases at once.
+            ``"copy"`` copies into private memory and releases at once. On a disk
+            fallback, ``"zero_copy"`` maps the shard files copy-on-write and ``"copy"``
+            reads them into private memory (:func:`weightcache.load_from_disk`).
         fallback: True (default): load from disk, with the reason recorded, when the
             daemon cannot serve. False: wait up to ``wait_timeout`` for a daemon or a
             loading model, then raise.
@@ -69,8 +71,12 @@ class LoadOptions:
             CUDA zero-copy. See :mod:`weightcache._lease`.
         on_lease_lost: called with the :class:`LeaseLostError` when the lease is lost;
             default None.
-        on_revoke: ``"copy"`` (default), ``"raise"`` or ``"exit"``: what to do when the
-            daemon revokes the lease (forced evict, drain).
+        on_revoke: ``"keep"`` (default), ``"copy"``, ``"raise"`` or ``"exit"``: what to do
+            when the daemon revokes the lease (forced evict, drain). ``"keep"``: on shared
+            memory keep the mapping, with no copy (the daemon has unlinked the segment; its
+            bytes stay, unchanged, until ``close()``), and on a GPU copy, as ``"copy"``,
+            which copies the arena into this process's own memory everywhere. See
+            :mod:`weightcache._lease`.
         trusted_uid: a uid besides this user and root whose daemon socket is trusted;
             default None: ``$WEIGHTCACHE_TRUSTED_UID``. See :mod:`weightcache._trust`.
 
@@ -96,7 +102,7 @@ class LoadOptions:
     wait_timeout: float = 30.0
     lease_policy: Policy | None = None
     on_lease_lost: LostCallback | None = None
-    on_revoke: RevokePolicy = "copy"
+    on_revoke: RevokePolicy = "keep"
     trusted_uid: int | None = None
 
     def __post_init__(self) -> None:

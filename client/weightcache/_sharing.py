@@ -50,7 +50,7 @@ class Answer:
     owner: int
     fingerprint: Fingerprint
     model: str
-    metadata: dict[str, str]
+    metadata: dict[str, str] | None
 
 
 class SharedLease:

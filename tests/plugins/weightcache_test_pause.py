@@ -5,6 +5,11 @@ beside this file. Parameter ``dir``: a folder. Computing the first tensor (in th
 load thread, after the checkpoint was validated and fingerprinted) first creates
 ``DIR/reached``, then waits for ``DIR/go`` (at most :data:`WAIT_SECONDS`) before reading.
 A test changes the files in that window. The tensors are left as they are.
+
+With ``at=plan`` it holds the same way while the recipe is planned instead (after the
+headers were validated, before the fingerprint and any tensor), and leaves every node as
+it is: each stays the stored tensor it was, so the disk path maps it
+(:mod:`weightcache._disk`) as it maps a checkpoint without a recipe.
 """
 
 from __future__ import annotations
@@ -29,16 +34,24 @@ class Pause:
 
     def transform(self, nodes: dict[str, Node], params: Mapping[str, str]) -> dict[str, Node]:
         folder = Path(params["dir"])
+        if params.get("at") == "plan":
+            _hold(folder)
+            return nodes
         first = next(iter(nodes))
         read = nodes[first].compute
 
         def paused(reader: CheckpointReader) -> torch.Tensor:
-            (folder / "reached").touch()
-            deadline = time.monotonic() + WAIT_SECONDS
-            while not (folder / "go").exists():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{folder / 'go'} did not appear")
-                time.sleep(0.01)
+            _hold(folder)
             return read(reader)
 
         return {**nodes, first: Node(nodes[first].spec, paused)}
+
+
+def _hold(folder: Path) -> None:
+    """Create ``folder/reached``, then wait for ``folder/go``."""
+    (folder / "reached").touch()
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not (folder / "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{folder / 'go'} did not appear")
+        time.sleep(0.01)

@@ -14,12 +14,14 @@ or a silently wrong tensor.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import stat
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,12 @@ from typing import Any
 import torch
 
 from weightcache.core.dtypes import SUB_BYTE, TORCH_DTYPES, itemsize
-from weightcache.core.errors import InvalidCheckpointError
+from weightcache.core.errors import (
+    InvalidCheckpointError,
+    ResourceExhaustedError,
+    WeightCacheError,
+)
+from weightcache.core.timestamps import settle, vouches
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -135,13 +142,26 @@ class Checkpoint:
         tensors: every tensor, by name, in shard then header order.
         index: the identity of ``model.safetensors.index.json`` when it was read; None
             for a single-file checkpoint.
+        opened_ns: ``time.time_ns()`` before the first file was opened: every byte of the
+            checkpoint was read after it (:meth:`identities_vouch`).
     """
 
     root: Path
     shards: tuple[ShardInfo, ...]
     tensors: dict[str, TensorInfo]
     index: FileIdentity | None = None
+    opened_ns: int = 0
     _files: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def identities_vouch(self) -> bool:
+        """Whether the identities of its files (:meth:`file_identities`), found unchanged
+        later, prove that the bytes read since :attr:`opened_ns` are still the files':
+        each file's last change came more than its file system's timestamp granule before
+        (:func:`weightcache.core.timestamps.vouches`)."""
+        return all(
+            vouches(i.dev, i.mtime_ns, i.ctime_ns, self.opened_ns)
+            for i in self.file_identities().values()
+        )
 
     def file_identities(self) -> dict[str, FileIdentity]:
         """Every file read, by name relative to :attr:`root`, as it was when opened: the
@@ -260,6 +280,7 @@ def open_checkpoint(
     """
     if repo_id is not None:
         path = hub_snapshot(path, repo_id, revision)
+    opened_ns = time.time_ns()  # before any byte is read (Checkpoint.identities_vouch)
     files: dict[str, int] = {}
     try:
         try:
@@ -271,9 +292,10 @@ def open_checkpoint(
             files[real.name] = fd
             if check_file is not None:
                 check_file(real)
-            return _assemble(real.parent, files, weight_map=None)
+            settle(fd)
+            return _assemble(real.parent, files, weight_map=None, opened_ns=opened_ns)
         try:
-            return _open_folder(fd, real, files, check_file)
+            return _open_folder(fd, real, files, check_file, opened_ns)
         finally:
             os.close(fd)
     except BaseException:
@@ -332,7 +354,11 @@ def _stat_all(folder: int, names: list[str]) -> dict[str, FileIdentity]:
 
 
 def _open_folder(
-    folder: int, root: Path, files: dict[str, int], check_file: Callable[[Path], None] | None
+    folder: int,
+    root: Path,
+    files: dict[str, int],
+    check_file: Callable[[Path], None] | None,
+    opened_ns: int,
 ) -> Checkpoint:
     if not stat.S_ISDIR(os.fstat(folder).st_mode):
         raise InvalidCheckpointError(f"{root}: neither a folder nor a regular file")
@@ -351,7 +377,7 @@ def _open_folder(
         if fd is None:
             raise InvalidCheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
         files[name] = fd
-    return _assemble(root, files, weight_map=weight_map, index=index_identity)
+    return _assemble(root, files, weight_map=weight_map, index=index_identity, opened_ns=opened_ns)
 
 
 def _open(path: str, folder: int | None, shown: str) -> int:
@@ -362,9 +388,23 @@ def _open(path: str, folder: int | None, shown: str) -> int:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise InvalidCheckpointError(f"{shown}: {exc.strerror}") from None
+        raise open_error(shown, exc) from None
     os.set_blocking(fd, True)
     return fd
+
+
+#: errno values that say the process or the system ran out of something, not that the file
+#: is bad: reported as RESOURCE_EXHAUSTED, never INVALID_CHECKPOINT.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def open_error(shown: str, exc: OSError) -> WeightCacheError:
+    """The error for a file that could not be opened: :class:`ResourceExhaustedError` when
+    the process or system is out of file descriptors or memory (``EMFILE``, ``ENFILE``,
+    ``ENOMEM``), else :class:`InvalidCheckpointError`; both name the file."""
+    if exc.errno in RESOURCE_ERRNOS:
+        return ResourceExhaustedError(f"cannot open {shown}: {exc.strerror} (errno {exc.errno})")
+    return InvalidCheckpointError(f"{shown}: {exc.strerror}")
 
 
 def _open_file(
@@ -388,6 +428,7 @@ def _open_file(
             raise InvalidCheckpointError(f"{root}: {name} is not a regular file")
         if check_file is not None:
             check_file(_real_path(fd, os.path.join(root, name)))
+        settle(fd)  # before any byte is read: see weightcache.core.timestamps
     except BaseException:
         os.close(fd)
         raise
@@ -424,11 +465,14 @@ class _DuplicateKeyError(ValueError):
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     # json keeps the last of duplicate keys silently; safetensors (serde) refuses them.
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKeyError(key)
-        out[key] = value
+    # dict() in C, once per JSON object; the loop only to name a duplicate.
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKeyError(key)
+            seen.add(key)
     return out
 
 
@@ -466,6 +510,7 @@ def _assemble(
     files: dict[str, int],
     weight_map: dict[str, str] | None,
     index: FileIdentity | None = None,
+    opened_ns: int = 0,
 ) -> Checkpoint:
     shards = []
     tensors: dict[str, TensorInfo] = {}
@@ -489,7 +534,14 @@ def _assemble(
             raise InvalidCheckpointError(
                 f"{root}: the index lists tensors absent from their shards: {missing[:5]}"
             )
-    return Checkpoint(root=root, shards=tuple(shards), tensors=tensors, index=index, _files=files)
+    return Checkpoint(
+        root=root,
+        shards=tuple(shards),
+        tensors=tensors,
+        index=index,
+        opened_ns=opened_ns,
+        _files=files,
+    )
 
 
 def read_shard_header(fd: int, name: str, path: Path) -> ShardInfo:
@@ -557,25 +609,62 @@ def _check_text(shard: str, what: str, text: str) -> None:
         raise InvalidCheckpointError(f"{shard}: {what} is not valid Unicode") from None
 
 
+#: safetensors dtype name -> bytes per element, for the header's byte-size check.
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
+
+
 def _tensor_info(shard: str, key: str, entry: object, data_start: int) -> TensorInfo:
+    """One header entry, checked. Called once per tensor: the checks are written out
+    (no generator, no message built) for the common case of a valid entry, and only a
+    failing entry goes on to :func:`_entry_error` for its message."""
     _check_text(shard, "a tensor name", key)
+    if not isinstance(entry, dict):
+        raise _entry_error(shard, key, entry)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or type(shape) is not list or len(shape) > MAX_RANK:
+        raise _entry_error(shard, key, entry)
+    item = _ITEMSIZE.get(dtype)
+    if item is None:
+        raise _entry_error(shard, key, entry)
+    nonzero, empty = 1, False
+    for size in shape:
+        # type() is int: json makes no int subclass, and bool (a subclass) is refused.
+        if type(size) is not int or not 0 <= size <= MAX_DIM:
+            raise _entry_error(shard, key, entry)
+        if size:
+            nonzero *= size
+        else:
+            empty = True
+    if nonzero > MAX_ELEMENTS or type(offsets) is not list or len(offsets) != 2:
+        raise _entry_error(shard, key, entry)
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+        raise _entry_error(shard, key, entry)
+    if end - begin != (0 if empty else nonzero * item):
+        raise _entry_error(shard, key, entry)
+    return TensorInfo(key, dtype, tuple(shape), shard, data_start + begin, end - begin)
+
+
+def _entry_error(shard: str, key: str, entry: object) -> InvalidCheckpointError:
+    """What is wrong with a header entry :func:`_tensor_info` refused, checked in the
+    order the messages are documented."""
     where = f"{shard}: tensor {key!r}"
     if not isinstance(entry, dict):
-        raise InvalidCheckpointError(f"{where}: entry is not an object")
+        return InvalidCheckpointError(f"{where}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if isinstance(dtype, str) and dtype in SUB_BYTE:
-        raise InvalidCheckpointError(
+        return InvalidCheckpointError(
             f"{where}: dtype {dtype} packs elements below a byte; weightcache does not support it"
         )
     if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
-        raise InvalidCheckpointError(f"{where}: unknown dtype {dtype!r}")
+        return InvalidCheckpointError(f"{where}: unknown dtype {dtype!r}")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_RANK
         or not all(_is_uint(d) and d <= MAX_DIM for d in shape)
         or math.prod(d for d in shape if d) > MAX_ELEMENTS
     ):
-        raise InvalidCheckpointError(
+        return InvalidCheckpointError(
             f"{where}: shape {shape!r} is not a list of at most {MAX_RANK} sizes up to {MAX_DIM}"
         )
     if (
@@ -584,14 +673,12 @@ def _tensor_info(shard: str, key: str, entry: object, data_start: int) -> Tensor
         or not all(_is_uint(o) for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise InvalidCheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end]")
+        return InvalidCheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end]")
     nbytes = offsets[1] - offsets[0]
     expected = math.prod(shape) * itemsize(dtype)
-    if nbytes != expected:
-        raise InvalidCheckpointError(
-            f"{where}: {nbytes} bytes of data but shape {shape} of {dtype} needs {expected}"
-        )
-    return TensorInfo(key, dtype, tuple(shape), shard, data_start + offsets[0], nbytes)
+    return InvalidCheckpointError(
+        f"{where}: {nbytes} bytes of data but shape {shape} of {dtype} needs {expected}"
+    )
 
 
 def _is_uint(value: object) -> bool:

@@ -25,6 +25,11 @@ class PerProcess(Generic[K, V]):
         self.lock = threading.Lock()
         self._pid = os.getpid()
         self._entries: dict[K, V] = {}
+        # A lock held by another thread at a fork stays held in the child, by no one.
+        os.register_at_fork(after_in_child=self._reset_lock)
+
+    def _reset_lock(self) -> None:
+        self.lock = threading.Lock()
 
     def entries(self) -> dict[K, V]:
         """This process's entries, the dict itself (call with :attr:`lock` held)."""

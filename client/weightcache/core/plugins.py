@@ -20,7 +20,7 @@ it): the engine it runs shards, fuses and casts by its own rules.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -75,10 +75,17 @@ class ModelPlugin(Protocol):
 
 @dataclass(frozen=True)
 class PluginStep:
-    """One plugin applied with parameters (string to string)."""
+    """One plugin applied with parameters (string to string).
+
+    Attributes:
+        version: the version of the plugin applied, in a recipe as a daemon reports it
+            (``Pipeline.resolved``); empty in a requested recipe, where the installed
+            plugin decides. Not compared: the step is its name and parameters.
+    """
 
     name: str
     params: tuple[tuple[str, str], ...] = ()
+    version: str = field(default="", compare=False)
 
     @classmethod
     def parse(cls, text: str) -> PluginStep:

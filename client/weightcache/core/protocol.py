@@ -5,7 +5,9 @@ from a domain object, ``*_from_pb`` reads one back (the two round-trip to an equ
 The checks a request must pass before it means anything (string lengths, digest format,
 list sizes) run while decoding and raise :class:`InvalidArgumentError` with
 ``metadata["field"]`` naming the field. Errors cross the wire as a gRPC status carrying one
-``google.rpc.ErrorInfo`` (AIP-193): :func:`to_grpc_status` and :func:`from_rpc_error`.
+``google.rpc.ErrorInfo`` (AIP-193): :func:`~weightcache.core.status.to_grpc_status` and
+:func:`~weightcache.core.status.from_rpc_error`, in the torch-free
+:mod:`weightcache.core.status`.
 """
 
 from __future__ import annotations
@@ -13,24 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-import grpc
-from google.protobuf import any_pb2, duration_pb2, timestamp_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.protobuf import duration_pb2, timestamp_pb2
 
 # MAX_FILES bounds an Acquire by file identity: as many files as a worker lists.
 from weightcache.core.checkpoint import MAX_FILES, FileIdentity
 from weightcache.core.dtypes import itemsize
-from weightcache.core.errors import (
-    DAEMON_ERRORS,
-    ERROR_DOMAIN,
-    DaemonUnavailableError,
-    HandleError,
-    InvalidArgumentError,
-    RemoteError,
-    WeightCacheError,
-    error_for_reason,
-)
+from weightcache.core.errors import HandleError, InvalidArgumentError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, Fingerprint, Level
 from weightcache.core.plugins import PluginStep
 from weightcache.core.recipe import Placement, Recipe, parse_dtype
@@ -39,18 +29,22 @@ from weightcache.core.records import (
     CudaIpcHandle,
     Environment,
     Grant,
+    LeaseHolder,
     LeaseInfo,
     LeaseState,
     LeaseStatus,
     LoadProgress,
     ModelInfo,
     ModelState,
+    PeerCredentials,
     ServerInfo,
     SharedMemoryHandle,
     StorageHandle,
     TensorFormat,
     TensorView,
+    UnlinkedArena,
     ViewColumns,
+    WorkerDescription,
 )
 from weightcache.core.tp import TPPlan, over_bounds
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -61,6 +55,8 @@ MAX_PATH_CHARS = 4096
 MAX_COMPONENTS = 10_000
 MAX_LEASES_PER_REQUEST = 4096
 MAX_RECIPE_ITEMS = 256
+#: A host name (RFC 1035: 253 characters and a final dot).
+MAX_HOSTNAME_CHARS = 255
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -191,7 +187,10 @@ def recipe_pb(recipe: Recipe) -> pb.Recipe:
     rules = recipe.tp_plan.rules if recipe.tp_plan is not None else ()
     return pb.Recipe(
         dtype=recipe.dtype or "",
-        plugins=[pb.RecipePlugin(name=s.name, params=dict(s.params)) for s in recipe.plugins],
+        plugins=[
+            pb.RecipePlugin(name=s.name, params=dict(s.params), version=s.version)
+            for s in recipe.plugins
+        ],
         tp_rules=[pb.TensorParallelRule(pattern=p, style=s) for p, s in rules],
     )
 
@@ -224,7 +223,8 @@ def recipe_from_pb(message: pb.Recipe, admit: Callable[[str], None] | None = Non
     for plugin in message.plugins:
         if admit is not None:
             admit(plugin.name)
-        steps.append(PluginStep(plugin.name, tuple(sorted(plugin.params.items()))))
+        # The version is kept (a Model's recipe reports it) but never decides anything.
+        steps.append(PluginStep(plugin.name, tuple(sorted(plugin.params.items())), plugin.version))
     rules = tuple((r.pattern, r.style) for r in message.tp_rules)
     return Recipe(
         dtype=parse_dtype(message.dtype or None),
@@ -280,8 +280,22 @@ def progress_from_pb(message: pb.LoadProgress) -> LoadProgress:
     )
 
 
+#: Most bytes of ``__metadata__`` (keys and values in UTF-8) a Model message echoes: a
+#: header may hold 100 MB of it, and every Model of a ListModels reply, or of a Preload
+#: stream's messages, would carry it (one such model broke listing for everyone).
+MAX_METADATA_BYTES = 65536
+
+
+def metadata_bytes(metadata: dict[str, str]) -> int:
+    """Bytes of ``metadata``'s keys and values in UTF-8 (what :data:`MAX_METADATA_BYTES`
+    bounds)."""
+    return sum(len(k.encode()) + len(v.encode()) for k, v in metadata.items())
+
+
 def model_pb(model: ModelInfo) -> pb.Model:
-    """A model snapshot as its wire message (``load_duration`` set only when known)."""
+    """A model snapshot as its wire message (``load_duration`` set only when known; the
+    metadata only when within :data:`MAX_METADATA_BYTES`, else ``metadata_omitted``)."""
+    omitted = model.metadata_omitted or metadata_bytes(model.metadata) > MAX_METADATA_BYTES
     message = pb.Model(
         name=model.name,
         state=_STATE_TO_PB[model.state],
@@ -295,7 +309,8 @@ def model_pb(model: ModelInfo) -> pb.Model:
         create_time=timestamp_pb(model.create_time),
         error=model.error,
         progress=progress_pb(model.progress),
-        metadata=model.metadata,
+        metadata={} if omitted else model.metadata,
+        metadata_omitted=omitted,
     )
     if model.load_seconds is not None:
         message.load_duration.CopyFrom(duration_pb(model.load_seconds))
@@ -338,6 +353,7 @@ def model_from_pb(message: pb.Model) -> ModelInfo:
             duration_from_pb(message.load_duration) if message.HasField("load_duration") else None
         ),
         metadata=dict(message.metadata),
+        metadata_omitted=message.metadata_omitted,
     )
 
 
@@ -401,12 +417,65 @@ def lease_status_from_pb(message: pb.LeaseStatus) -> LeaseStatus:
     )
 
 
+def worker_pb(worker: WorkerDescription) -> pb.WorkerDescription:
+    """A worker's description of itself as its wire message."""
+    return pb.WorkerDescription(
+        pid=worker.pid,
+        hostname=worker.hostname,
+        label=worker.label,
+        pid_namespace=worker.pid_namespace,
+        mode=worker.mode,
+    )
+
+
+def worker_from_pb(message: pb.WorkerDescription) -> WorkerDescription:
+    """A wire worker description, checked.
+
+    Raises:
+        InvalidArgumentError: ``hostname`` over :data:`MAX_HOSTNAME_CHARS`, ``label`` or
+            ``mode`` over :data:`MAX_ID_CHARS` characters (``field`` names which).
+    """
+    check_len("worker.hostname", message.hostname, MAX_HOSTNAME_CHARS)
+    check_len("worker.label", message.label, MAX_ID_CHARS)
+    check_len("worker.mode", message.mode, MAX_ID_CHARS)
+    return WorkerDescription(
+        pid=message.pid,
+        hostname=message.hostname,
+        label=message.label,
+        pid_namespace=message.pid_namespace,
+        mode=message.mode,
+    )
+
+
+def peer_pb(peer: PeerCredentials) -> pb.PeerCredentials:
+    """Peer credentials as their wire message."""
+    return pb.PeerCredentials(pid=peer.pid, uid=peer.uid, gid=peer.gid)
+
+
+def lease_holder_pb(holder: LeaseHolder) -> pb.LeaseHolder:
+    """A live lease and who holds it as its wire message."""
+    message = pb.LeaseHolder(
+        lease=lease_pb(holder.lease),
+        state=_LEASE_STATE_TO_PB[holder.state],
+        create_time=timestamp_pb(holder.create_time),
+        worker=worker_pb(holder.worker),
+    )
+    if holder.peer is not None:
+        message.peer.CopyFrom(peer_pb(holder.peer))
+    if holder.revoke_deadline is not None:
+        message.revoke_deadline.CopyFrom(timestamp_pb(holder.revoke_deadline))
+    return message
+
+
 def keepalive_response_pb(
-    instance_id: str, statuses: Iterable[LeaseStatus]
+    instance_id: str, statuses: Iterable[LeaseStatus], *, hand_over: bool = False
 ) -> pb.KeepAliveResponse:
-    """A KeepAlive answer of daemon ``instance_id`` about some leases."""
+    """A KeepAlive answer of daemon ``instance_id`` about some leases (``hand_over``: the
+    daemon stops to hand its leases over to its successor)."""
     return pb.KeepAliveResponse(
-        instance_id=instance_id, leases=[lease_status_pb(s) for s in statuses]
+        instance_id=instance_id,
+        leases=[lease_status_pb(s) for s in statuses],
+        hand_over=hand_over,
     )
 
 
@@ -573,6 +642,7 @@ def acquire_request_pb(acquisition: Acquisition) -> pb.AcquireRequest:
         pid=acquisition.pid,
         files=[checkpoint_file_pb(name, i) for name, i in acquisition.files.items()],
         tensor_format=_FORMAT_PB[acquisition.tensor_format],
+        worker=worker_pb(acquisition.worker),
     )
     if acquisition.ttl is not None:
         request.ttl.CopyFrom(duration_pb(acquisition.ttl))
@@ -588,7 +658,8 @@ def acquisition_from_pb(request: pb.AcquireRequest) -> Acquisition:
             fingerprint (:func:`fingerprint_from_pb`; by file identity, only its
             component count is checked), a negative ``ttl``, over :data:`MAX_FILES` files
             (``field=files``) or a file name over :data:`MAX_PATH_CHARS` characters
-            (``field=files.name``); ``field`` names which.
+            (``field=files.name``), a worker description over its bounds
+            (:func:`worker_from_pb`); ``field`` names which.
     """
     check_len("request_id", request.request_id, MAX_ID_CHARS)
     check_len("checkpoint_path", request.checkpoint_path, MAX_PATH_CHARS)
@@ -606,6 +677,11 @@ def acquisition_from_pb(request: pb.AcquireRequest) -> Acquisition:
         pid=request.pid,
         files=files,
         tensor_format=_FORMAT_FROM_PB.get(request.tensor_format, "views"),
+        worker=(
+            worker_from_pb(request.worker)
+            if request.HasField("worker")
+            else WorkerDescription(pid=request.pid)  # a worker older than the field
+        ),
     )
 
 
@@ -708,6 +784,7 @@ def server_info_pb(info: ServerInfo) -> pb.GetServerInfoResponse:
         memory_budget_bytes=info.memory_budget_bytes,
         instance_id=info.instance_id,
         start_time=timestamp_pb(info.start_time),
+        memory_unlinked_bytes=info.memory_unlinked_bytes,
     )
 
 
@@ -724,46 +801,25 @@ def server_info_from_pb(message: pb.GetServerInfoResponse) -> ServerInfo:
         memory_budget_bytes=message.memory_budget_bytes,
         instance_id=message.instance_id,
         start_time=timestamp_from_pb(message.start_time),
+        memory_unlinked_bytes=message.memory_unlinked_bytes,
     )
 
 
-# -- errors -----------------------------------------------------------------------------
-
-
-def to_grpc_status(error: WeightCacheError) -> grpc.Status:
-    """The gRPC status (code, message, trailer) for an error.
-
-    The code is the ``status_code`` of the class that :data:`DAEMON_ERRORS` names for the
-    error's reason; any other reason is sent as INTERNAL. The trailer carries one
-    ``google.rpc.ErrorInfo`` (domain ``weightcache.v1``, the reason, string metadata).
-    """
-    cls = DAEMON_ERRORS.get(error.reason, WeightCacheError)
-    info = error_details_pb2.ErrorInfo(
-        reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata
+def unlinked_arena_pb(arena: UnlinkedArena) -> pb.UnlinkedArena:
+    """An unlinked, still mapped arena as its wire message (in ListModels)."""
+    return pb.UnlinkedArena(
+        model=arena.model,
+        size_bytes=arena.size_bytes,
+        lease_count=arena.lease_count,
+        unlink_time=timestamp_pb(arena.unlink_time),
     )
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    status = status_pb2.Status(
-        code=code_pb2.Code.Value(cls.status_code), message=error.detail, details=[detail]
+
+
+def unlinked_arena_from_pb(message: pb.UnlinkedArena) -> UnlinkedArena:
+    """A wire unlinked arena as an :class:`UnlinkedArena`."""
+    return UnlinkedArena(
+        model=message.model,
+        size_bytes=message.size_bytes,
+        lease_count=message.lease_count,
+        unlink_time=timestamp_from_pb(message.unlink_time),
     )
-    return rpc_status.to_status(status)
-
-
-def from_rpc_error(exc: grpc.RpcError) -> WeightCacheError:
-    """The exception a gRPC error stands for.
-
-    A status with an ErrorInfo gives the class of its reason (:func:`error_for_reason`);
-    UNAVAILABLE or DEADLINE_EXCEEDED without one gives :class:`DaemonUnavailableError`;
-    anything else a :class:`RemoteError` named after its code.
-    """
-    status = rpc_status.from_call(exc) if isinstance(exc, grpc.Call) else None
-    if status is not None:
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info):
-                return error_for_reason(info.reason, status.message, info.metadata)
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    text = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None):
-        return DaemonUnavailableError(f"daemon unavailable: {text}")
-    return RemoteError(f"{code}: {text}", reason=str(code.name if code else "UNKNOWN"))

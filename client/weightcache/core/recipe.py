@@ -17,6 +17,9 @@ whole checkpoint and the placement, with the step's parameters as it resolves th
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +32,7 @@ from weightcache.core.dtypes import CASTABLE, TORCH_DTYPES
 from weightcache.core.errors import RecipeError
 from weightcache.core.pipeline import Node, TensorSpec, stored_nodes
 from weightcache.core.plugins import ModelPlugin, PluginStep, RecipePlugin
-from weightcache.core.tp import TPPlan, shard_nodes
+from weightcache.core.tp import TPPlan, check_heads, shard_nodes
 
 RECIPE_NAME = "weightcache.recipe"
 RECIPE_VERSION = 2
@@ -126,6 +129,8 @@ class Recipe:
         plan = None
         if placement.tp_size > 1:
             plan = self.tp_plan if has_rules else TPPlan.from_transformers(root)
+            if plan is not None:
+                check_heads(plan, _config(root), placement.tp_size)
         return plan, plugins
 
     def _identity(self, plan: TPPlan | None, plugins: list[_Step]) -> dict[str, Any]:
@@ -208,9 +213,41 @@ class Pipeline:
             dtype=self.identity["dtype"],
             tp_plan=TPPlan(tuple((pattern, style) for pattern, style in plan)) if plan else None,
             plugins=tuple(
-                PluginStep(step["name"], tuple(step["params"])) for step in self.identity["plugins"]
+                PluginStep(step["name"], tuple(step["params"]), step["version"])
+                for step in self.identity["plugins"]
             ),
         )
+
+
+#: Largest ``config.json`` read for its head counts (transformers' largest are tens of KB).
+MAX_CONFIG_BYTES = 2**20
+
+
+def _config(root: Path) -> dict[str, Any]:
+    """The checkpoint's transformers ``config.json``, or ``{}`` when it has none, or not a
+    regular file, or not a JSON object (the plan given is then all there is to check).
+
+    Raises:
+        RecipeError: it is over :data:`MAX_CONFIG_BYTES`.
+    """
+    path = Path(root) / "config.json"
+    try:
+        # O_NONBLOCK: a FIFO planted under that name must not block the loading thread.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return {}
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise RecipeError(f"{path}: over {MAX_CONFIG_BYTES} bytes")
+        config = json.loads(os.read(fd, MAX_CONFIG_BYTES + 1))
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
+    return config if isinstance(config, dict) else {}
 
 
 def _cast(node: Node, dtype: str) -> Node:

@@ -179,6 +179,8 @@ class ModelInfo:
     error: str = ""
     load_seconds: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    #: On the wire: the metadata was over ``core.protocol.MAX_METADATA_BYTES`` and not sent.
+    metadata_omitted: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,45 @@ class LeaseStatus:
 
 
 @dataclass(frozen=True)
+class WorkerDescription:
+    """A worker's description of itself, sent with each Acquire and never trusted for a
+    decision: ``pid`` in its own pid namespace, ``hostname``, an optional ``label``
+    (``$WEIGHTCACHE_LABEL``), the inode of its pid namespace (0: unknown) and the
+    attach ``mode`` (``zero_copy`` or ``copy``; empty: not said)."""
+
+    pid: int = 0
+    hostname: str = ""
+    label: str = ""
+    pid_namespace: int = 0
+    mode: str = ""
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    """The credentials of a connection on the daemon's Unix socket as the kernel reports
+    them (``SO_PEERCRED``): ``pid`` in the daemon's pid namespace (0: not visible there),
+    effective ``uid`` and ``gid``."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """One live lease and who holds it: ``create_time`` and ``revoke_deadline`` (None
+    unless revoking) in epoch seconds; ``peer`` None when the daemon cannot tell which of
+    its connections is the worker's."""
+
+    lease: LeaseInfo
+    state: LeaseState
+    create_time: float
+    worker: WorkerDescription
+    peer: PeerCredentials | None = None
+    revoke_deadline: float | None = None
+
+
+@dataclass(frozen=True)
 class Acquisition:
     """What a worker asks for in an Acquire: the lease's ``ttl`` in seconds (None: the
     daemon's default), and ``request_id`` for idempotent retries.
@@ -224,6 +265,7 @@ class Acquisition:
     pid: int
     files: dict[str, FileIdentity] = field(default_factory=dict)
     tensor_format: TensorFormat = "views"
+    worker: WorkerDescription = field(default_factory=WorkerDescription)
 
 
 @dataclass(frozen=True)
@@ -251,3 +293,21 @@ class ServerInfo:
     memory_budget_bytes: int
     instance_id: str
     start_time: float
+    memory_unlinked_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class UnlinkedArena:
+    """A revoked model's arena that the daemon unlinked and workers still map.
+
+    Attributes:
+        model: the name the model had.
+        size_bytes: the arena's size, in bytes.
+        lease_count: revoked leases on it not yet ended (how the daemon knows it is mapped).
+        unlink_time: when the daemon unlinked it, in epoch seconds.
+    """
+
+    model: str
+    size_bytes: int
+    lease_count: int
+    unlink_time: float

@@ -11,7 +11,9 @@ from typing import TypeVar
 import grpc
 
 from weightcache.core.errors import DaemonUnavailableError, WeightCacheError
+from weightcache.core.forking import calling, opened_channel
 from weightcache.core.per_process import PerProcess
+from weightcache.core.sockets import no_socket, socket_denied
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
@@ -48,14 +50,14 @@ def connect(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
     try:
         os.stat(socket)
     except FileNotFoundError:
-        raise DaemonUnavailableError(f"no daemon socket at {socket}") from None
+        raise DaemonUnavailableError(no_socket(socket)) from None
     except PermissionError as exc:
-        raise DaemonUnavailableError(
-            f"cannot reach the daemon socket {socket}: {exc.strerror}"
-        ) from None
-    channel = grpc.insecure_channel(
-        target(socket), options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
-    )
+        raise DaemonUnavailableError(socket_denied(socket, exc.strerror)) from None
+    with calling():
+        opened_channel()
+        channel = grpc.insecure_channel(
+            target(socket), options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
+        )
     return channel, pb_grpc.WeightCacheServiceStub(channel)
 
 
@@ -68,15 +70,16 @@ def call(fn: Callable[[], T]) -> T:
         WeightCacheError: the daemon refused; the subclass matches its ErrorInfo reason.
     """
     try:
-        return fn()
+        with calling():
+            return fn()
     except grpc.RpcError as exc:
         raise _error(exc) from None
 
 
 def _error(exc: grpc.RpcError) -> WeightCacheError:
-    # Imported on a refusal only: the conversions import torch, and the admin commands
-    # (`weightcache health`, the probes) must start without it.
-    from weightcache.core.protocol import from_rpc_error
+    # Imported on a refusal only (google.rpc's messages): torch-free, as the admin commands
+    # (`weightcache evict`, `health`, the probes) must start without it.
+    from weightcache.core.status import from_rpc_error
 
     return from_rpc_error(exc)
 
@@ -112,7 +115,8 @@ def retire(socket: str, channel: grpc.Channel) -> None:
         opened = channels.get(socket)
         if opened is not None and opened[0] is channel:
             del channels[socket]
-    channel.close()
+    with calling():
+        channel.close()
 
 
 def call_shared(socket: str, rpc: Callable[[pb_grpc.WeightCacheServiceStub], T]) -> T:
@@ -126,14 +130,16 @@ def call_shared(socket: str, rpc: Callable[[pb_grpc.WeightCacheServiceStub], T])
 
     Raises:
         DaemonUnavailableError: as :func:`call`, or the socket file is missing, or the
-            channel closed under both attempts.
+            channel closed under both attempts, or this process was forked while its
+            parent's SDK was mid-call (:mod:`weightcache.core.forking`).
         WeightCacheError: the daemon refused; the subclass matches its ErrorInfo reason
             (:class:`RemoteError` for a status without one).
     """
     for attempt in range(2):
         channel, stub = shared(socket)
         try:
-            return rpc(stub)
+            with calling():
+                return rpc(stub)
         except ValueError as exc:
             # grpc refuses to start a call on a closed channel; only retire closes one,
             # and it first stops sharing it.

@@ -90,6 +90,33 @@ def runtime_dir() -> str:
     return f"/tmp/weightcache-{os.geteuid()}"
 
 
+def no_socket(socket: str) -> str:
+    """Why a worker or command finds nothing at ``socket``, with the rule that named it
+    and what a user other than the daemon's sets (a message for a
+    :class:`~weightcache.core.errors.DaemonUnavailableError`)."""
+    if os.environ.get(ENV_SOCKET):
+        how = f"${ENV_SOCKET}"
+    else:
+        how = (
+            f"the runtime dir {runtime_dir()} (${ENV_RUNTIME_DIR}, else {SYSTEM_RUNTIME_DIR} "
+            "as root, $XDG_RUNTIME_DIR/weightcache, /tmp/weightcache-<uid>)"
+        )
+    return (
+        f"no daemon socket at {socket} (named by {how}); a process that does not run as "
+        f"the daemon's user sets ${ENV_RUNTIME_DIR} or ${ENV_SOCKET} to the daemon's"
+    )
+
+
+def socket_denied(socket: str, strerror: str | None) -> str:
+    """Why a worker or command may not connect to ``socket``: the socket and its folder
+    are the daemon's user's only, unless the daemon runs with ``--group``."""
+    return (
+        f"cannot reach the daemon socket {socket}: {strerror or 'Permission denied'}; the "
+        "socket and its folder are the daemon's user's only, unless the daemon runs with "
+        "--group GROUP (folder 0750, socket 0660) and this process is in that group"
+    )
+
+
 def socket_name(device: DeviceLike) -> str:
     """``cpu.sock``, or ``GPU-<uuid>.sock`` (the UUID as ``nvidia-smi -L`` prints it).
 
@@ -157,15 +184,34 @@ def _uuid_of(index: int | None, shown: str) -> str:
 
 def segment_tag(socket: str) -> str:
     """The 12 lowercase hex digits that the daemon serving ``socket`` puts in its segment
-    names (``weightcache-<tag>-…``): the sha256 of the socket's path with its folder
-    resolved.
+    names (``weightcache-<tag>-…``): the sha256 of this process's mount namespace
+    (:func:`mount_namespace`) and the socket's path with its folder resolved.
 
     The folder is resolved, not the socket itself: a symlink planted at the socket path must
-    not lend the daemon another socket's tag (and that socket's segments to clean up).
+    not lend the daemon another socket's tag (and that socket's segments to clean up). The
+    mount namespace is in it because one path names different sockets in different
+    namespaces (two containers sharing ``/dev/shm``, each with its own ``/run``): their
+    daemons hold different locks, and neither may take the other's segments for its
+    predecessor's.
     """
     folder, name = os.path.split(os.path.abspath(socket))
     path = os.path.join(os.path.realpath(folder), name)
-    return hashlib.sha256(path.encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{mount_namespace()}\0{path}".encode()).hexdigest()[:12]
+
+
+#: Where Linux names this process's mount namespace (namespaces(7)).
+MOUNT_NAMESPACE = "/proc/self/ns/mnt"
+
+
+def mount_namespace() -> str:
+    """This process's mount namespace as ``<st_dev>:<st_ino>`` of :data:`MOUNT_NAMESPACE`
+    (what namespaces(7) says identifies it), or ``""`` where it cannot be read (no
+    ``/proc``)."""
+    try:
+        info = os.stat(MOUNT_NAMESPACE)
+    except OSError:
+        return ""
+    return f"{info.st_dev}:{info.st_ino}"
 
 
 def tag_prefix(tag: str) -> str:

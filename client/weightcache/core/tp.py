@@ -39,18 +39,53 @@ MAX_RULES = 256
 MAX_PATTERN_CHARS = 256
 #: Most pattern characters in one plan, all rules together.
 MAX_PLAN_CHARS = 4096
-# transformers' variants that place the same bytes on a rank as the plain style.
-_ALIASES = {
+#: Every style transformers' ``ParallelInterface`` registers (``ALL_PARALLEL_STYLES`` in
+#: ``transformers.distributed.tensor_parallel``, 5.x), and older names, mapped to the style
+#: here whose rank holds the same bytes of each parameter: their forward hooks (where
+#: activations are gathered, reduced or split) differ, and those are the engine's business.
+#: Checked against transformers' own ``shard_param`` in ``tests/test_tp_plans.py``. Not
+#: here, so refused: ``packed_colwise``/``packed_rowwise`` (interleaved ``_StridedShard``
+#: slices, not one contiguous block per rank) and any unknown name.
+TRANSFORMERS_STYLES = {
+    # weight and bias: Shard(0) (a 2-D weight's output features).
     "colwise": "colwise",
     "colwise_rep": "colwise",
+    "colwise_gather_output": "colwise",
     "local_colwise": "colwise",
+    # an embedding's 2-D weight: Shard(0), its vocabulary.
+    "embedding_rowwise": "colwise",
+    # weight: Shard(-1) (a 2-D weight's input features); bias replicated.
     "rowwise": "rowwise",
     "rowwise_rep": "rowwise",
+    "rowwise_split_input": "rowwise",
     "local_rowwise": "rowwise",
+    # an embedding's 2-D weight: Shard(1), its hidden dimension.
+    "embedding_colwise": "rowwise",
+    # every rank holds the whole parameter.
     "replicate": "replicate",
     "local": "replicate",
     "sequence_parallel": "replicate",
+    # forward hooks only (no ``shard_param``): see FORWARD_ONLY_STYLES.
+    "replicated_with_grad_allreduce": "replicate",
+    "all_reduce": "replicate",
+    "mla_kv_a_proj": "replicate",
+    "moe_tp_experts": "replicate",
+    "moe_identity_expert": "replicate",
+    "local_params": "replicate",
 }
+#: transformers styles that shard no parameter: transformers applies them to a module's
+#: forward, while the parameters under it follow their own rules. :meth:`TPPlan.from_mapping`
+#: moves their rules after every other one, so that they never shadow a parameter's rule.
+FORWARD_ONLY_STYLES = frozenset(
+    {
+        "replicated_with_grad_allreduce",
+        "all_reduce",
+        "mla_kv_a_proj",
+        "moe_tp_experts",
+        "moe_identity_expert",
+        "local_params",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -76,17 +111,21 @@ class TPPlan:
 
     @classmethod
     def from_mapping(cls, plan: Mapping[str, str]) -> TPPlan:
-        """Build from ``{pattern: style}``, mapping transformers' aliases to the three styles.
+        """Build from ``{pattern: style}``, mapping transformers' style names
+        (:data:`TRANSFORMERS_STYLES`) to the three styles; rules of a forward-only style
+        (:data:`FORWARD_ONLY_STYLES`) go last, in their order.
 
         Raises:
             RecipeError: a style has no equivalent here (e.g. ``packed_colwise``).
         """
-        rules = []
+        rules: list[tuple[str, str]] = []
+        forward_only: list[tuple[str, str]] = []
         for pattern, style in plan.items():
-            if style not in _ALIASES:
+            if style not in TRANSFORMERS_STYLES:
                 raise RecipeError(f"tensor-parallel rule {pattern!r}: unsupported style {style!r}")
-            rules.append((pattern, _ALIASES[style]))
-        return cls(tuple(rules))
+            rule = (pattern, TRANSFORMERS_STYLES[style])
+            (forward_only if style in FORWARD_ONLY_STYLES else rules).append(rule)
+        return cls(tuple(rules + forward_only))
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> TPPlan:
@@ -224,3 +263,54 @@ def _split_dim(style: str, shape: tuple[int, ...]) -> int | None:
     if style == "rowwise" and len(shape) == 2:
         return 1
     return None
+
+
+#: Projections whose output rows are attention heads, by module name, and the config key
+#: that counts those heads (as transformers' ``get_kv_heads_per_rank`` finds them).
+HEAD_PROJECTIONS = {
+    "q_proj": ("num_attention_heads",),
+    "k_proj": ("num_key_value_heads", "num_attention_heads"),
+    "v_proj": ("num_key_value_heads", "num_attention_heads"),
+    "qkv_proj": ("num_key_value_heads", "num_attention_heads"),
+    "query_key_value": ("num_key_value_heads", "num_attention_heads"),
+}
+
+
+def check_heads(plan: TPPlan, config: Mapping[str, Any], size: int) -> None:
+    """Refuse a plan that would split an attention head across ranks.
+
+    A ``colwise`` rule on a head projection (:data:`HEAD_PROJECTIONS`: ``k_proj``,
+    ``v_proj``, ...) splits its rows, which are heads of ``head_dim`` rows each: with
+    ``tp_size`` above ``num_key_value_heads`` (grouped-query attention), or not dividing it,
+    a rank would hold part of a head, which no engine computes with (transformers#48307).
+    Refused, as torchtitan does (vLLM instead replicates KV heads, a choice of its own
+    engine's weight loader); a plan that replicates the projection is accepted.
+
+    Args:
+        plan: the resolved plan.
+        config: the checkpoint's ``config.json`` (its ``text_config`` is read when the
+            counts are not at the top).
+        size: ``tp_size``.
+
+    Raises:
+        RecipeError: ``size`` does not divide a head count; names the projection rule, the
+            config key and the count.
+    """
+    counts = config.get("text_config") if "num_attention_heads" not in config else config
+    if not isinstance(counts, Mapping):
+        return
+    for pattern, style in plan.rules:
+        if style != "colwise":
+            continue
+        module = pattern.removesuffix(".weight").removesuffix(".bias").rpartition(".")[2]
+        for key in HEAD_PROJECTIONS.get(module, ()):
+            heads = counts.get(key)
+            if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
+                if heads % size:
+                    raise RecipeError(
+                        f"tensor-parallel rule {pattern!r} (colwise) would split the model's "
+                        f"{heads} attention heads ({key}={heads} in config.json) across "
+                        f"tp_size {size} ranks; use a tp_size that divides {heads}, or a plan "
+                        f"that replicates {module}"
+                    )
+                break

@@ -218,9 +218,14 @@ class WorkerPool:
         self.env = dict(env or {})
         self.workers: list[Worker] = []
 
-    def start(self) -> Worker:
-        """Start one more worker (it imports in the background; its first reply waits)."""
-        worker = Worker(self.log_dir / f"worker-{len(self.workers)}.log", self.command, self.env)
+    def start(self, env: Mapping[str, str] | None = None) -> Worker:
+        """Start one more worker (it imports in the background; its first reply waits),
+        with ``env`` added to the pool's variables."""
+        worker = Worker(
+            self.log_dir / f"worker-{len(self.workers)}.log",
+            self.command,
+            {**self.env, **(env or {})},
+        )
         self.workers.append(worker)
         return worker
 

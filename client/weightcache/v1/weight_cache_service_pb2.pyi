@@ -121,7 +121,7 @@ class Recipe(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., plugins: _Optional[_Iterable[_Union[RecipePlugin, _Mapping]]] = ..., tp_rules: _Optional[_Iterable[_Union[TensorParallelRule, _Mapping]]] = ...) -> None: ...
 
 class RecipePlugin(_message.Message):
-    __slots__ = ("name", "params")
+    __slots__ = ("name", "params", "version")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,9 +131,11 @@ class RecipePlugin(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     params: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    version: str
+    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class TensorParallelRule(_message.Message):
     __slots__ = ("pattern", "style")
@@ -164,7 +166,7 @@ class LoadProgress(_message.Message):
     def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "state", "fingerprint", "path", "recipe", "placement", "size_bytes", "tensor_count", "lease_count", "load_duration", "create_time", "error", "progress", "metadata")
+    __slots__ = ("name", "state", "fingerprint", "path", "recipe", "placement", "size_bytes", "tensor_count", "lease_count", "load_duration", "create_time", "error", "progress", "metadata", "metadata_omitted")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +188,7 @@ class Model(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    METADATA_OMITTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     fingerprint: Fingerprint
@@ -200,7 +203,8 @@ class Model(_message.Message):
     error: str
     progress: LoadProgress
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tensor_count: _Optional[int] = ..., lease_count: _Optional[int] = ..., load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    metadata_omitted: bool
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tensor_count: _Optional[int] = ..., lease_count: _Optional[int] = ..., load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., metadata_omitted: _Optional[bool] = ...) -> None: ...
 
 class SharedMemoryHandle(_message.Message):
     __slots__ = ("path", "size")
@@ -329,13 +333,27 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "unlinked")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    UNLINKED_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[Model]
-    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+    unlinked: _containers.RepeatedCompositeFieldContainer[UnlinkedArena]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ..., unlinked: _Optional[_Iterable[_Union[UnlinkedArena, _Mapping]]] = ...) -> None: ...
+
+class UnlinkedArena(_message.Message):
+    __slots__ = ("model", "size_bytes", "lease_count", "unlink_time")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    UNLINK_TIME_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    size_bytes: int
+    lease_count: int
+    unlink_time: _timestamp_pb2.Timestamp
+    def __init__(self, model: _Optional[str] = ..., size_bytes: _Optional[int] = ..., lease_count: _Optional[int] = ..., unlink_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid", "files", "tensor_format")
+    __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid", "files", "tensor_format", "worker")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +362,7 @@ class AcquireRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fingerprint: Fingerprint
     checkpoint_path: str
@@ -352,7 +371,22 @@ class AcquireRequest(_message.Message):
     pid: int
     files: _containers.RepeatedCompositeFieldContainer[CheckpointFile]
     tensor_format: TensorFormat
-    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., pid: _Optional[int] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., tensor_format: _Optional[_Union[TensorFormat, str]] = ...) -> None: ...
+    worker: WorkerDescription
+    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., pid: _Optional[int] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., tensor_format: _Optional[_Union[TensorFormat, str]] = ..., worker: _Optional[_Union[WorkerDescription, _Mapping]] = ...) -> None: ...
+
+class WorkerDescription(_message.Message):
+    __slots__ = ("pid", "hostname", "label", "pid_namespace", "mode")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    hostname: str
+    label: str
+    pid_namespace: int
+    mode: str
+    def __init__(self, pid: _Optional[int] = ..., hostname: _Optional[str] = ..., label: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class CheckpointFile(_message.Message):
     __slots__ = ("name", "dev", "ino", "size", "mtime_ns", "ctime_ns")
@@ -405,12 +439,14 @@ class LeaseStatus(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoke_deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("instance_id", "leases")
+    __slots__ = ("instance_id", "leases", "hand_over")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    HAND_OVER_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
-    def __init__(self, instance_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ...) -> None: ...
+    hand_over: bool
+    def __init__(self, instance_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., hand_over: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -441,7 +477,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "protocol_version", "torch_version", "backend", "device", "device_uuid", "memory_held_bytes", "memory_budget_bytes", "instance_id", "start_time")
+    __slots__ = ("version", "protocol_version", "torch_version", "backend", "device", "device_uuid", "memory_held_bytes", "memory_budget_bytes", "instance_id", "start_time", "memory_unlinked_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +488,7 @@ class GetServerInfoResponse(_message.Message):
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_UNLINKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     protocol_version: str
     torch_version: str
@@ -462,4 +499,43 @@ class GetServerInfoResponse(_message.Message):
     memory_budget_bytes: int
     instance_id: str
     start_time: _timestamp_pb2.Timestamp
-    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., memory_held_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    memory_unlinked_bytes: int
+    def __init__(self, version: _Optional[str] = ..., protocol_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., memory_held_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., memory_unlinked_bytes: _Optional[int] = ...) -> None: ...
+
+class ListLeasesRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListLeasesResponse(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseHolder]
+    def __init__(self, leases: _Optional[_Iterable[_Union[LeaseHolder, _Mapping]]] = ...) -> None: ...
+
+class LeaseHolder(_message.Message):
+    __slots__ = ("lease", "state", "create_time", "revoke_deadline", "worker", "peer")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    state: LeaseState
+    create_time: _timestamp_pb2.Timestamp
+    revoke_deadline: _timestamp_pb2.Timestamp
+    worker: WorkerDescription
+    peer: PeerCredentials
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., state: _Optional[_Union[LeaseState, str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoke_deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., worker: _Optional[_Union[WorkerDescription, _Mapping]] = ..., peer: _Optional[_Union[PeerCredentials, _Mapping]] = ...) -> None: ...
+
+class PeerCredentials(_message.Message):
+    __slots__ = ("pid", "uid", "gid")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    uid: int
+    gid: int
+    def __init__(self, pid: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ...) -> None: ...

@@ -84,6 +84,11 @@ class WeightCacheServiceStub:
                 request_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.ListLeases = channel.unary_unary(
+                '/weightcache.v1.WeightCacheService/ListLeases',
+                request_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesRequest.SerializeToString,
+                response_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class WeightCacheServiceServicer:
@@ -172,6 +177,15 @@ class WeightCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLeases(self, request, context):
+        """Lists the live leases and who holds each: the credentials the kernel gives the daemon
+        for the holder's connection on the Unix socket (SO_PEERCRED), and the worker's own
+        description of itself (AcquireRequest.worker). For operators (weightcache leases).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +228,11 @@ def add_WeightCacheServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.GetServerInfoRequest.FromString,
                     response_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'ListLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLeases,
+                    request_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesRequest.FromString,
+                    response_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +461,33 @@ class WeightCacheService:
             '/weightcache.v1.WeightCacheService/GetServerInfo',
             weightcache_dot_v1_dot_weight__cache__service__pb2.GetServerInfoRequest.SerializeToString,
             weightcache_dot_v1_dot_weight__cache__service__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightcache.v1.WeightCacheService/ListLeases',
+            weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesRequest.SerializeToString,
+            weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

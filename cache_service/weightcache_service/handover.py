@@ -1,0 +1,250 @@
+"""The hand-over manifest: what a daemon stopping for a restart leaves to its successor.
+
+A daemon told to hand over (SIGUSR2, or SIGTERM with ``--hand-over``) leaves its READY
+shared-memory arenas in ``/dev/shm`` and writes ``<socket>.handover.json`` beside its
+socket: for each model its segment, size, checkpoint path and files (identities), recipe,
+placement, fingerprint and live leases. The next daemon on the same socket reads it once
+(and removes it), and adopts each model that checks out (:func:`read_manifest`,
+:func:`check_segment`; the store rebuilds the layout from the checkpoint's headers and
+compares it), without reading the tensors again; what does not check out is removed with
+the other segments of dead daemons, and the model is loaded from its checkpoint as usual.
+
+Trust: the manifest is accepted only as a regular file (not a symlink) owned by the
+daemon's own user with mode 0600, of the format :data:`FORMAT`, under
+:data:`MAX_MANIFEST_BYTES`; each segment only as a regular file directly in ``/dev/shm``,
+owned by the daemon's user, named for this socket (:func:`~weightcache.core.sockets.tag_prefix`),
+of exactly the size recorded. See SECURITY.md, "Hand-over".
+
+The format is JSON; recipe, placement and fingerprint are their protobuf messages in
+protobuf's JSON mapping (``google.protobuf.json_format``), so that one definition of each
+serves the wire and the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from google.protobuf import json_format
+
+from weightcache.core.checkpoint import FileIdentity
+from weightcache.core.errors import WeightCacheError
+from weightcache.core.fingerprint import Fingerprint
+from weightcache.core.protocol import (
+    fingerprint_from_pb,
+    fingerprint_pb,
+    placement_from_pb,
+    placement_pb,
+    recipe_from_pb,
+    recipe_pb,
+)
+from weightcache.core.recipe import Placement, Recipe
+from weightcache.core.sockets import SHM_DIR, tag_prefix
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+#: The manifest format this daemon writes and reads; any other is refused whole.
+FORMAT = "weightcache.handover/1"
+#: A manifest larger than this is refused unread (a few hundred bytes per model).
+MAX_MANIFEST_BYTES = 16 * 2**20
+
+
+class HandOverRefusedError(Exception):
+    """A manifest or a segment does not check out; the message says why."""
+
+
+@dataclass(frozen=True)
+class HeldLease:
+    """A live lease handed over: its id, TTL (s), request id and the worker's pid."""
+
+    lease_id: str
+    ttl: float
+    request_id: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class HeldModel:
+    """One model handed over.
+
+    Attributes:
+        name: its name in the old daemon.
+        path: the checkpoint's folder (or file) as the old daemon opened it.
+        segment: the segment's path in ``/dev/shm``.
+        size: the arena's size in bytes.
+        files: every file the old daemon read, by name, with its identity then.
+        recipe, placement: what the model was loaded with (the recipe as asked for).
+        fingerprint: the model's fingerprint.
+        load_seconds, create_time: as the old daemon reported them.
+        leases: its live leases.
+    """
+
+    name: str
+    path: str
+    segment: str
+    size: int
+    files: dict[str, FileIdentity]
+    recipe: Recipe
+    placement: Placement
+    fingerprint: Fingerprint
+    load_seconds: float
+    create_time: float
+    leases: tuple[HeldLease, ...]
+
+
+def manifest_path(socket: str) -> str:
+    """Where the daemon of ``socket`` writes its hand-over manifest."""
+    return socket + ".handover.json"
+
+
+def write_manifest(path: str, instance_id: str, models: list[HeldModel]) -> None:
+    """Write the manifest atomically (a temporary file in the same folder, fsync'd, renamed
+    over ``path``), mode 0600.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    document = {
+        "format": FORMAT,
+        "instance_id": instance_id,
+        "pid": os.getpid(),
+        "models": [_model_json(model) for model in models],
+    }
+    data = json.dumps(document, indent=1, sort_keys=True).encode()
+    temporary = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.rename(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def read_manifest(path: str) -> list[HeldModel] | None:
+    """Read and remove the manifest at ``path`` (None when there is none).
+
+    Raises:
+        HandOverRefusedError: it is a symlink or not a regular file, not owned by this user,
+            not mode 0600, over :data:`MAX_MANIFEST_BYTES`, not valid JSON, of another
+            format, or missing a field. It is removed all the same.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symlink
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise HandOverRefusedError(f"cannot open the manifest {path}: {exc.strerror}") from None
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # read once: a failed adoption is not retried at the next start
+        st = os.fstat(fd)
+        _check_file(st, path)
+        data = os.read(fd, MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise HandOverRefusedError(f"the manifest is over {MAX_MANIFEST_BYTES} bytes")
+    try:
+        document = json.loads(data)
+    except ValueError as exc:
+        raise HandOverRefusedError(f"the manifest is not valid JSON: {exc}") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        found = document.get("format") if isinstance(document, dict) else None
+        raise HandOverRefusedError(
+            f"the manifest's format is {found!r}; this daemon reads {FORMAT!r}"
+        )
+    try:
+        return [_model_from_json(item) for item in document["models"]]
+    except (KeyError, TypeError, ValueError, json_format.ParseError, WeightCacheError) as exc:
+        raise HandOverRefusedError(
+            f"the manifest is malformed: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def check_segment(model: HeldModel, tag: str) -> None:
+    """Check a handed-over segment before it is opened: named for this socket, directly in
+    ``/dev/shm``, a regular file owned by this user, of the recorded size.
+
+    Raises:
+        HandOverRefusedError: it is not.
+    """
+    folder, name = os.path.split(model.segment)
+    if folder != SHM_DIR or not name.startswith(tag_prefix(tag)):
+        raise HandOverRefusedError(f"{model.segment} is not a segment of this socket")
+    try:
+        st = os.stat(model.segment, follow_symlinks=False)
+    except FileNotFoundError:
+        raise HandOverRefusedError(f"{model.segment} is gone") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise HandOverRefusedError(f"{model.segment} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise HandOverRefusedError(
+            f"{model.segment} belongs to uid {st.st_uid}, not {os.geteuid()}"
+        )
+    if st.st_size != model.size:
+        raise HandOverRefusedError(
+            f"{model.segment} holds {st.st_size} bytes; the manifest says {model.size}"
+        )
+
+
+def _check_file(st: os.stat_result, path: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise HandOverRefusedError(f"the manifest {path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise HandOverRefusedError(
+            f"the manifest {path} belongs to uid {st.st_uid}, not {os.geteuid()}"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        raise HandOverRefusedError(
+            f"the manifest {path} has mode {stat.S_IMODE(st.st_mode):04o}, not 0600"
+        )
+
+
+def _model_json(model: HeldModel) -> dict[str, Any]:
+    return {
+        "name": model.name,
+        "path": model.path,
+        "segment": model.segment,
+        "size": model.size,
+        "files": {name: asdict(identity) for name, identity in model.files.items()},
+        "recipe": json_format.MessageToDict(recipe_pb(model.recipe)),
+        "placement": json_format.MessageToDict(placement_pb(model.placement)),
+        "fingerprint": json_format.MessageToDict(fingerprint_pb(model.fingerprint)),
+        "load_seconds": model.load_seconds,
+        "create_time": model.create_time,
+        "leases": [asdict(lease) for lease in model.leases],
+    }
+
+
+def _model_from_json(item: dict[str, Any]) -> HeldModel:
+    recipe = json_format.ParseDict(item["recipe"], pb.Recipe())
+    placement = json_format.ParseDict(item["placement"], pb.Placement())
+    fingerprint = json_format.ParseDict(item["fingerprint"], pb.Fingerprint())
+    return HeldModel(
+        name=str(item["name"]),
+        path=str(item["path"]),
+        segment=str(item["segment"]),
+        size=int(item["size"]),
+        files={str(k): FileIdentity(**v) for k, v in item["files"].items()},
+        recipe=recipe_from_pb(recipe),
+        placement=placement_from_pb(placement),
+        fingerprint=fingerprint_from_pb(fingerprint),
+        load_seconds=float(item["load_seconds"]),
+        create_time=float(item["create_time"]),
+        leases=tuple(
+            HeldLease(str(x["lease_id"]), float(x["ttl"]), str(x["request_id"]), int(x["pid"]))
+            for x in item["leases"]
+        ),
+    )

@@ -1,0 +1,187 @@
+"""Hand-over across a daemon restart (issue 26, item 2).
+
+A daemon started with ``--hand-over`` leaves its arenas and leases at SIGTERM with a
+manifest; the next daemon on the same socket adopts what checks out, without loading the
+checkpoint again, and the workers' KeepAlive streams reconnect and keep their leases
+under the same ids, with no copy. A manifest or segment that does not check out is
+refused with a log line saying why, and the model is loaded from its checkpoint.
+
+Workers are forked from one zygote per module (``tests/fault_worker.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.fault_support import Child, Children, list_models, proc_status, start_ready
+from tests.support import Checkpoints, DaemonPool, wait_until
+from weightcache.testing.daemon import Daemon
+from weightcache.testing.protocol import tensor_digest
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+pytestmark = pytest.mark.timeout(300)
+
+TTL = 30.0
+MIB = 2**20
+#: Private memory a worker may gain across the restart: allocator noise, not a copy.
+RSS_SLACK = 8 * MIB
+
+
+def manifest(daemon: Daemon) -> Path:
+    return Path(daemon.socket + ".handover.json")
+
+
+def hand_over(daemon: Daemon) -> list[str]:
+    """SIGTERM a ``--hand-over`` daemon; returns the segments it left."""
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(60) == 0
+    assert "handed over" in daemon.log()
+    left = daemon.segments()
+    assert left, daemon.log()
+    return left
+
+
+def attach(kid: Child, path: Path, expected: str, socket: str) -> dict[str, object]:
+    reply = kid.load(path, key="w", socket=socket, ttl=TTL)
+    assert reply["ok"], reply
+    assert (reply["source"], reply["digest"]) == ("cache", expected)
+    assert kid.request("wait_ack", key="w", seconds=TTL)["ok"]
+    return reply
+
+
+def test_a_restart_hands_arenas_and_leases_over_without_copies(
+    daemons: DaemonPool, children: Children, checkpoints: Checkpoints
+) -> None:
+    expected = tensor_digest(checkpoints.tensors)
+    old = start_ready(daemons, [checkpoints.single], args=["--hand-over"])
+    kids = children.start(2)
+    replies = [attach(kid, checkpoints.single, expected, old.socket) for kid in kids]
+    rss = [proc_status(kid.pid)["RssAnon"] for kid in kids]
+
+    [segment] = hand_over(old)
+    written = manifest(old)
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600
+    assert json.loads(written.read_text())["format"] == "weightcache.handover/1"
+    # The workers read their weights while no daemon runs: same bytes.
+    for kid in kids:
+        assert kid.request("digest", key="w")["digest"] == expected
+
+    new = start_ready(daemons, [checkpoints.single], socket=old.socket)
+
+    log = new.log()
+    assert "] adopted " in log and "leases=2" in log
+    assert "] loading " not in log, log  # the start-up preload found it held
+    assert not written.exists()  # read once
+    [adopted] = new.segments()
+    assert adopted != segment
+    model = list_models(new.socket)["single"]
+    assert (model.state, model.lease_count) == (pb.MODEL_STATE_READY, 2), (
+        f"{new.log()}\n{kids[0].log()}"
+    )
+    for kid, reply, before in zip(kids, replies, rss, strict=True):
+        # Renewed with the new daemon, under the same lease id: not lost, no copy.
+        granted_by = str(reply["lease"]["instance_id"])  # type: ignore[index]
+
+        def renewed(k: Child = kid, g: str = granted_by) -> bool:
+            return bool(k.request("lease", key="w")["instance_id"] != g)
+
+        try:
+            wait_until(renewed, TTL)
+        except AssertionError:
+            raise AssertionError(f"{kid.request('lease', key='w')}\n{kid.log()}") from None
+        state = kid.request("lease", key="w")
+        assert (state["lost"], state["revoked"]) == (None, False)
+        assert kid.request("digest", key="w") == {
+            "reply": "digest",
+            "ok": True,
+            "digest": expected,
+            "tensors_error": None,
+        }
+        [mapping] = kid.request("maps")["maps"]
+        assert mapping["Private_Dirty"] == 0, mapping
+        assert abs(proc_status(kid.pid)["RssAnon"] - before) < RSS_SLACK
+    # A new worker is served from the adopted arena.
+    late = children.one()
+    attach(late, checkpoints.single, expected, new.socket)
+    assert list_models(new.socket)["single"].lease_count == 3
+    for kid in [*kids, late]:
+        assert kid.request("close", key="w") == {"reply": "close", "ok": True}
+    wait_until(lambda: list_models(new.socket)["single"].lease_count == 0, 10.0)
+
+
+def _garbage(path: Path, segment: str) -> None:
+    path.write_text("{not json")
+
+
+def _mode_0644(path: Path, segment: str) -> None:
+    path.chmod(0o644)
+
+
+def _other_format(path: Path, segment: str) -> None:
+    document = json.loads(path.read_text())
+    document["format"] = "weightcache.handover/9"
+    path.write_text(json.dumps(document))
+
+
+def _segment_resized(path: Path, segment: str) -> None:
+    os.truncate(segment, os.stat(segment).st_size + 4096)
+
+
+def _segment_foreign(path: Path, segment: str) -> None:
+    os.chown(segment, 65534, -1)
+
+
+def _manifest_foreign(path: Path, segment: str) -> None:
+    os.chown(path, 65534, -1)
+
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
+    (_garbage, "hand-over refused: adopting nothing"),
+    (_mode_0644, "has mode 0644, not 0600"),
+    (_other_format, "the manifest's format is 'weightcache.handover/9'"),
+    (_segment_resized, "the manifest says"),
+]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "why"),
+    [
+        *REFUSALS,
+        pytest.param(_segment_foreign, "belongs to uid 65534", marks=ROOT_ONLY),
+        pytest.param(_manifest_foreign, "belongs to uid 65534", marks=ROOT_ONLY),
+    ],
+    ids=["garbage", "mode", "format", "resized", "segment-owner", "manifest-owner"],
+)
+def test_a_manifest_or_segment_that_does_not_check_out_adopts_nothing(
+    daemons: DaemonPool,
+    checkpoints: Checkpoints,
+    spoil: Callable[[Path, str], None],
+    why: str,
+) -> None:
+    old = start_ready(daemons, [checkpoints.single], args=["--hand-over"])
+    [segment] = hand_over(old)
+    spoil(manifest(old), segment)
+
+    new = start_ready(daemons, [checkpoints.single], socket=old.socket)
+
+    log = new.log()
+    assert why in log, log
+    assert "] adopted " not in log  # only "model not adopted" lines
+    assert "loading" in log  # from the checkpoint
+    assert not manifest(old).exists()
+    if spoil is _segment_foreign:
+        # Another user's file now: no daemon removes a name it does not own (SECURITY.md,
+        # "/dev/shm"); it is left, logged, to its owner (here, the test).
+        assert os.path.exists(segment)
+        os.unlink(segment)
+    assert os.path.basename(segment) not in " ".join(new.segments())
+    assert list_models(new.socket)["single"].state == pb.MODEL_STATE_READY
