@@ -54,6 +54,7 @@ from tests.support import (
     rpc_failure,
     service_stub,
 )
+from weightcache.testing import wait_until_settled
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(TEST_TIMEOUT)
@@ -118,6 +119,7 @@ def setup(module_daemons: DaemonPool, tmp_path_factory: pytest.TempPathFactory) 
     stored[LM_HEAD] = torch.randn(stored[EMBED].shape, generator=gen, dtype=stored[EMBED].dtype)
     save_file(stored, str(tied_distinct / SINGLE_FILE), metadata={"format": "pt"})
 
+    wait_until_settled(base)  # past the timestamp granule: digests may be remembered
     env = children_env(base / "hash-cache")
     models = [hub.snapshot, stray, meta, tied_once, tied_both, tied_distinct]
     daemons = start_daemons(module_daemons, env, {"d": [str(m) for m in models]})
@@ -195,6 +197,7 @@ def test_full_fingerprint_of_blobs_is_their_bytes_read_once(
     plain = tmp_path / "plain"
     shutil.copytree(setup.hub.snapshot, plain)  # follows the symlinks: plain files
     assert not any(p.is_symlink() for p in plain.iterdir())
+    wait_until_settled(plain)
     blob_names = sorted(setup.hub.blobs[shard].name for shard in (SHARD_1, SHARD_2))
 
     from_blobs = _full(setup.hub.snapshot)
@@ -215,6 +218,7 @@ def test_full_fingerprint_of_blobs_is_their_bytes_read_once(
     renamed = write_hub_repo(
         tmp_path / "hub", "acme/renamed", setup.hub.snapshot, COMMIT, blob_name=fake
     )
+    wait_until_settled(tmp_path / "hub")
     for shard in (SHARD_1, SHARD_2):
         real = hashlib.sha256((plain / shard).read_bytes()).hexdigest()
         assert weightcache.core.hashcache.file_sha256(renamed.snapshot / shard) == real

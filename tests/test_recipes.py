@@ -52,6 +52,7 @@ from tests.support import (
     get_model,
     rpc_failure,
 )
+from weightcache.testing import wait_until_settled
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(TEST_TIMEOUT)
@@ -488,7 +489,8 @@ def test_full_level_attaches_and_fills_the_hash_cache(
     entries = {p.name: p.read_text() for p in setup.hash_cache.iterdir()}
     expected = {_cache_key(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in shards}
     # The module's other daemons hash their own checkpoints there too (full is the default).
-    assert {key: entries.get(key) for key in expected} == expected
+    # Each entry is "<sha256> <since_ns>" (weightcache.core.hashcache).
+    assert {key: entries.get(key, "").split(" ")[0] for key in expected} == expected
 
     sampled = worker.load(
         checkpoints.sharded,
@@ -513,6 +515,7 @@ def test_full_hashes_are_cached_on_disk_and_redone_when_a_file_changes(
     monkeypatch.setenv("WEIGHTCACHE_HASH_CACHE", str(cache))
     folder = tmp_path / "sharded"
     shutil.copytree(checkpoints.sharded, folder)
+    wait_until_settled(folder)  # a digest is remembered only past the timestamp granule
     hashes = HashCounter(monkeypatch)
 
     def full() -> weightcache.Fingerprint:
@@ -529,7 +532,8 @@ def test_full_hashes_are_cached_on_disk_and_redone_when_a_file_changes(
     assert hashes.take() == []  # the second computation read no shard
 
     info = os.stat(folder / SHARD_2)
-    os.utime(folder / SHARD_2, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000_000))
+    os.utime(folder / SHARD_2, ns=(info.st_atime_ns, info.st_mtime_ns - 1_000_000_000))
+    wait_until_settled(folder / SHARD_2)  # utime moved its ctime
     assert full() == first  # same bytes, same identity ...
     assert hashes.take() == [SHARD_2]  # ... but read again under its new mtime
     assert len(list(cache.iterdir())) == 3
@@ -539,6 +543,7 @@ def test_full_hashes_are_cached_on_disk_and_redone_when_a_file_changes(
     # A file whose size changed is hashed again too (a plain file: not a checkpoint).
     plain = tmp_path / "blob.bin"
     plain.write_bytes(b"x" * 1000)
+    wait_until_settled(plain)
     digest = weightcache.core.hashcache.file_sha256(plain)
     assert digest == hashlib.sha256(b"x" * 1000).hexdigest()
     assert weightcache.core.hashcache.file_sha256(plain) == digest

@@ -164,7 +164,8 @@ def test_forced_evict_unlinks_without_copies_and_counts_the_mapped_bytes(
     print(f"Shmem {shm_before} -> {shmem()} bytes across the revoke of {size} bytes")
     assert "revoked: segment unlinked, workers keep their mappings" in daemon.log()
     ls = run_cli("ls", "--socket", daemon.socket)
-    assert f"big: unlinked, {size} bytes still mapped by 2 revoked lease(s)" in ls.stdout
+    assert size == 128 * 2**20
+    assert "big: unlinked, 128.0MiB still mapped by 2 revoked lease(s)" in ls.stdout
 
     # Admission counts the mapped bytes: the same model again does not fit 1.5 x its size.
     with service_stub(daemon.socket) as stub:

@@ -100,7 +100,7 @@ from weightcache.core.sockets import segment_tag as socket_tag
 from weightcache.testing import READY_TIMEOUT
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
-from weightcache_service.access import peer_address, peer_is_local
+from weightcache_service.access import MAX_CONCURRENT_STREAMS, peer_address, peer_is_local
 from weightcache_service.authz import RULES
 
 # Fixture setup (several daemons, other users' interpreters) counts against a test's limit.
@@ -446,11 +446,15 @@ def _info(socket: str) -> pb.GetServerInfoResponse:
 
 
 def _release(socket: str, *lease_ids: str) -> None:
+    """Release in waves within the daemon's concurrent streams per connection."""
+    wave = MAX_CONCURRENT_STREAMS // 2
     with service_stub(socket) as stub:
-        for future in [
-            stub.Release.future(pb.ReleaseRequest(lease_id=i), timeout=60) for i in lease_ids
-        ]:
-            future.result()
+        for start in range(0, len(lease_ids), wave):
+            for future in [
+                stub.Release.future(pb.ReleaseRequest(lease_id=i), timeout=60)
+                for i in lease_ids[start : start + wave]
+            ]:
+                future.result()
 
 
 def _tensor_bytes(tensors: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
@@ -1620,8 +1624,17 @@ def test_leases_per_pid_are_bounded(fleet: Fleet) -> None:
     granted: list[str] = []
     try:
         with service_stub(socket) as stub:
-            futures = [stub.Acquire.future(request(i), timeout=120) for i in range(1024)]
-            granted = [f.result().lease.lease_id for f in futures]
+            # In waves of half the daemon's MAX_CONCURRENT_STREAMS per connection, after a
+            # first call: streams past the limit are refused (REFUSED_STREAM), and so are
+            # some at it while the last wave's are still closing on the daemon's side.
+            stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+            wave_size = MAX_CONCURRENT_STREAMS // 2
+            for wave in range(0, 1024, wave_size):
+                futures = [
+                    stub.Acquire.future(request(i), timeout=120)
+                    for i in range(wave, wave + wave_size)
+                ]
+                granted += [f.result().lease.lease_id for f in futures]
             over = rpc_failure(_failure(lambda: stub.Acquire(request(1024), timeout=30)))
             retry = stub.Acquire(request(0), timeout=30)  # idempotent even at the cap
             elsewhere = stub.Acquire(request(1025, pid=pid + 1), timeout=30)

@@ -90,7 +90,11 @@ def test_a_bad_model_path_fails_the_start_with_the_daemons_reason(tmp_path: Path
 
     err = info.value
     assert err.returncode is None  # it was running: it refused the path, then served
-    assert "daemon ready with 0 of 1 models READY: []" in str(err)
+    # A failed start-up model is listed, FAILED with its reason (issue 28).
+    assert (
+        "daemon ready with 0 of 1 models READY: "
+        "['no-such-model MODEL_STATE_FAILED INVALID_CHECKPOINT: "
+    ) in str(err)
     assert f"{missing}: no such checkpoint folder or file" in err.log
     assert "reason=INVALID_CHECKPOINT" in err.log
     socket = _socket_from_log(err.log)

@@ -545,7 +545,6 @@ def _gc(dry_run: bool) -> int:
         return EXIT_FAILURE
     if not dead:
         print("no segment of a dead daemon: nothing to remove")
-        return 0
     for segment in dead:
         what = f"{segment.path} ({segment.size} bytes, daemon pid {segment.pid})"
         if dry_run:

@@ -240,6 +240,8 @@ class Daemon:
         self._drain_deadline: float | None = None
         #: (st_dev, st_ino) of the socket this daemon bound.
         self._socket_id: tuple[int, int] | None = None
+        #: (soft, hard) RLIMIT_NOFILE after raise_fd_limit, for the "started" line.
+        self._fd_limit: tuple[int, int] = (0, 0)
         #: Why the socket path stopped being this daemon's, once it did.
         self._socket_lost: str | None = None
         self._hand_over_asked = False
@@ -275,8 +277,7 @@ class Daemon:
                 NOT_SERVING first), leaving the path to whoever has it now.
         """
         socket = self.config.socket
-        soft, hard = raise_fd_limit()
-        log.info("file descriptor limit", soft=soft, hard=hard)
+        self._fd_limit = raise_fd_limit()  # logged with "started", once the start is safe
         self.config.access.prepare_folder(socket)
         lock = SocketLock(socket)
         try:
@@ -433,15 +434,17 @@ class Daemon:
                 *CONNECTION_OPTIONS,
             ],
         )
+        # Bound under a name of its own, then renamed into place: gRPC unlinks the path it
+        # bound when the server stops, and by then the socket path may be another
+        # daemon's (ours was removed or replaced: _watch_socket). Each accepted
+        # connection keeps the bound name (getsockname), which is how the servicer
+        # tells its connections from others (.peers).
+        bound = _bind_path(socket)
         pb_grpc.add_WeightCacheServiceServicer_to_server(
-            WeightCacheServicer(self.cache, socket), server
+            WeightCacheServicer(self.cache, bound), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         _enable_reflection(server)
-        # Bound under a name of its own, then renamed into place: gRPC unlinks the path it
-        # bound when the server stops, and by then the socket path may be another
-        # daemon's (ours was removed or replaced: _watch_socket).
-        bound = _bind_path(socket)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
         try:
             server.add_insecure_port(target(bound))
@@ -469,6 +472,7 @@ class Daemon:
             models=[spec.path for spec in self.config.preload],
             required=[spec.path for spec in self.config.preload if spec.required],
             argv=self.config.argv,
+            fd_limit=self._fd_limit[0],
         )
         return server
 

@@ -91,7 +91,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         self, cache: WeightCache, socket: str = "", refusals: RefusalLog | None = None
     ) -> None:
         self.cache = cache
-        #: The daemon's Unix socket: its connections are the peers ListLeases names.
+        #: The path the daemon's Unix socket was bound at (before its rename into place:
+        #: the name its accepted connections report): they are the peers ListLeases names.
         self.socket = socket
         self.refusals = refusals or RefusalLog()
         # Per model name and tensor format: its views (the cache's own tuple) and their

@@ -45,6 +45,7 @@ from weightcache.testing.checkpoints import (
     make_checkpoints,
     raw_bytes,
     reference_tensors,
+    wait_until_settled,
     write_sharded,
     write_single,
 )
@@ -112,6 +113,7 @@ __all__ = [
     "shm_segments",
     "short_tempdir",
     "wait_or_kill",
+    "wait_until_settled",
     "worker_pool",
     "write_sharded",
     "write_single",

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from weightcache.core.timestamps import vouches
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -140,13 +143,45 @@ def make_checkpoints(root: Path) -> Checkpoints:
     """
     tensors = reference_tensors(seed=0)
     other = {f"other.{i}": torch.full((3, i + 1), float(i)) for i in range(3)}
-    return Checkpoints(
+    written = Checkpoints(
         tensors=tensors,
         single=write_single(root / "single", tensors),
         sharded=write_sharded(root / "sharded", tensors),
         other=write_single(root / "other", other),
         other_sharded=write_sharded(root / "other-sharded", reference_tensors(seed=1)),
     )
+    # Past the timestamp granule, so that a daemon or SDK hashing them now may remember
+    # their digests (weightcache.core.timestamps.vouches), as it would for any checkpoint
+    # that was not written a moment ago.
+    wait_until_settled(root)
+    return written
+
+
+def wait_until_settled(*paths: Path, timeout: float = 5.0) -> None:
+    """Sleep until every regular file at or under ``paths`` was last changed (the later
+    of mtime and ctime) more than its file system's timestamp granule ago: from then on
+    its identity vouches for its bytes (:func:`weightcache.core.timestamps.vouches`), so
+    the hash cache remembers its digest and an Acquire by file identity can match it.
+    About 50 ms after a write on a nanosecond file system, 1 to 2 s on coarser ones.
+
+    Raises:
+        TimeoutError: a file still does not qualify after ``timeout`` seconds (its
+            mtime or ctime lies in the future).
+    """
+    files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*")))]
+    deadline = time.monotonic() + timeout
+    for file in files:
+        if file.is_symlink() or not file.is_file():
+            continue
+        while not vouches(*_stamps(file), time.time_ns()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{file}: its timestamps did not settle in {timeout} s")
+            time.sleep(0.01)
+
+
+def _stamps(file: Path) -> tuple[int, int, int]:
+    info = file.stat()
+    return info.st_dev, info.st_mtime_ns, info.st_ctime_ns
 
 
 def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
