@@ -176,11 +176,19 @@ def _check_path(path: str) -> None:
         raise HandleError(f"{path}: shared-memory handles must name a file in {SHM_DIR}")
 
 
+class SegmentGoneError(HandleError):
+    """The segment a grant named is no longer in /dev/shm: the daemon unlinked it (the
+    model was evicted or revoked) between the grant and this process opening it. The
+    caller may ask again: the daemon's next answer says what happened."""
+
+
 def _open_regular(path: str) -> int:
     try:
         # O_NONBLOCK: opening a FIFO planted at the path must not block; the type is
         # checked right after.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise SegmentGoneError(f"{path}: the segment was removed after the grant") from None
     except OSError as exc:
         raise HandleError(f"{path}: cannot open shared memory: {exc.strerror}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):

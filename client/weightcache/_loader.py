@@ -39,7 +39,12 @@ import torch
 
 from weightcache import _sharing
 from weightcache._disk import read_tensors
-from weightcache._handles import MappedArena, open_cuda_ipc, open_shared_memory
+from weightcache._handles import (
+    MappedArena,
+    SegmentGoneError,
+    open_cuda_ipc,
+    open_shared_memory,
+)
 from weightcache._lease import (
     ClientLease,
     LostCallback,
@@ -570,11 +575,33 @@ class _Attach:
         fingerprint_of: Callable[[pb.AcquireResponse], Fingerprint],
         checkpoint: Checkpoint | Path,
     ) -> LoadedWeights:
+        """Acquire and map, asking again once when the granted segment was unlinked
+        before this process opened it (an evict or revocation racing the grant): the
+        second answer is the daemon's word on it (MODEL_NOT_FOUND, or a new grant).
+
+        Raises:
+            WeightCacheError: as :meth:`_acquire_once`.
+        """
+        try:
+            return self._acquire_once(request, fingerprint_of, checkpoint, share=True)
+        except SegmentGoneError:
+            # A shared lease whose segment is gone is being revoked: ask the daemon afresh.
+            request.ClearField("request_id")
+            return self._acquire_once(request, fingerprint_of, checkpoint, share=False)
+
+    def _acquire_once(
+        self,
+        request: pb.AcquireRequest,
+        fingerprint_of: Callable[[pb.AcquireResponse], Fingerprint],
+        checkpoint: Checkpoint | Path,
+        *,
+        share: bool,
+    ) -> LoadedWeights:
         owner = self._check_socket()
         request.worker.CopyFrom(worker_pb(describe_worker(self.mode)))
         # Copy mode keeps no lease to share: no key is made for it.
         key = self._sharing_key(request) if self.mode == "zero_copy" else None
-        if key is not None and (held := _sharing.take(key)) is not None:
+        if share and key is not None and (held := _sharing.take(key)) is not None:
             return self._join(held, owner, checkpoint)
         request.request_id = uuid.uuid4().hex
         reply = _acquire_with_wait(
