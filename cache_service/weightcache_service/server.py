@@ -30,6 +30,7 @@ from weightcache.core.fingerprint import DEFAULT_LEVEL, Level
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME, target
 from weightcache.core.sockets import MAX_SOCKET_PATH, SHM_DIR, segment_tag
+from weightcache.core.stalls import StallWatch
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service import signals
 from weightcache_service.access import (
@@ -71,6 +72,11 @@ from weightcache_service.store import Entry, Store
 log = structlog.get_logger("weightcache.daemon")
 
 REAP_INTERVAL = 0.2
+#: Seconds between the event loop's beats of its :class:`StallWatch` (whose clock times
+#: the leases: a loop that did not run for longer stops the lease clock meanwhile).
+STALL_BEAT = 0.1
+#: A stall of the event loop at least this long (seconds) is logged.
+STALL_LOGGED = 1.0
 #: Seconds between checks that the socket path and its lock file are still this daemon's.
 SOCKET_CHECK_INTERVAL = 0.5
 #: Seconds each ``EXTEND_TIMEOUT_USEC`` gives systemd's start timeout while start-up
@@ -222,8 +228,16 @@ class Daemon:
         self.backend = open_backend(config.device, self._segment_prefix, config.access)
         config.budget.bind(self.backend.available)
         self.store = Store(self.backend.make_arena, config.budget)
+        #: How long the event loop was not scheduled; its clock times the leases, so a
+        #: daemon that was starved (an overloaded host, SIGSTOP) does not count that time
+        #: against leases whose renewals were queued behind it (docs/leases.md).
+        self.stalls = StallWatch()
         self.cache = WeightCache(
-            self.store, leases or LeaseTable(), config.options, self.instance_id, self.backend
+            self.store,
+            leases or LeaseTable(clock=self.stalls.now),
+            config.options,
+            self.instance_id,
+            self.backend,
         )
         # Until every start-up preload is registered, a miss may be a model about to load.
         self.cache.starting = bool(config.preload)
@@ -513,6 +527,7 @@ class Daemon:
 
     async def _serve(self, lock: SocketLock) -> None:
         tasks = [
+            asyncio.create_task(self._watch_stalls()),
             asyncio.create_task(self._watch_socket(lock)),
             asyncio.create_task(self._reap_forever()),
             asyncio.create_task(self._preload_startup()),
@@ -554,6 +569,21 @@ class Daemon:
         while leases.unsettled() and loop.time() < deadline and not self._force.is_set():
             await asyncio.sleep(0.05)
         log.info("drained", leases_left=leases.unsettled(), leases_kept=len(leases))
+
+    async def _watch_stalls(self) -> None:
+        # Beats from the event loop: a loop that does not turn stops the lease clock.
+        try:
+            while True:
+                stall = self.stalls.beat(STALL_BEAT)
+                if stall >= STALL_LOGGED:
+                    log.warning(
+                        "event loop stalled: lease times extended",
+                        seconds=round(stall, 3),
+                        leases=len(self.cache.leases),
+                    )
+                await asyncio.sleep(STALL_BEAT)
+        finally:
+            self.stalls.beat(None)  # no more beats: the lease clock runs on
 
     async def _reap_forever(self) -> None:
         while True:
