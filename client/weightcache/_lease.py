@@ -98,7 +98,8 @@ class ClientLease:
         ttl: seconds granted.
         policy: what to do when it is lost.
         on_lost: called (on the keepalive thread) when it is lost, before the policy.
-        last_ack: clock reading of the daemon's last acknowledgement.
+        last_ack: clock reading of the daemon's last acknowledgement (once added to a
+            :class:`KeepAliveSession`, on its stall-watch clock).
         on_revoke: what to do on REVOKING.
         privatize: makes this process's mapping private (for ``on_revoke="copy"``).
         lost: the loss, once it happened.
@@ -181,7 +182,9 @@ class KeepAliveSession:
         return not self._closed.is_set()
 
     def add(self, lease: ClientLease) -> None:
-        """Start renewing a lease (the first renewal is sent at once)."""
+        """Start renewing a lease (the first renewal is sent at once); its ``last_ack``
+        is reset to now on this session's clock (:attr:`stalls`), on which it is kept."""
+        lease.last_ack = self._clock()
         with self._lock:
             self._leases[lease.lease_id] = lease
         self._wake.put(None)
