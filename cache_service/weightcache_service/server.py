@@ -39,6 +39,8 @@ from weightcache_service.access import (
     AccessError,
     is_loopback,
     parse_listen,
+    tcp_connection_bound,
+    tcp_server_options,
 )
 from weightcache_service.arena import SharedMemoryArena
 from weightcache_service.authz import AuthorizationInterceptor, Policy
@@ -256,6 +258,12 @@ class Daemon:
         self._socket_id: tuple[int, int] | None = None
         #: (soft, hard) RLIMIT_NOFILE after raise_fd_limit, for the "started" line.
         self._fd_limit: tuple[int, int] = (0, 0)
+        #: Connections each TCP listener may hold (access.tcp_connection_bound).
+        self._tcp_bound = 0
+        #: The ``--listen`` server: a gRPC server of its own, so that its connection
+        #: bound (which gRPC applies per listener, from server-wide options) leaves the
+        #: Unix socket unbounded.
+        self._tcp_server: grpc.aio.Server | None = None
         #: Why the socket path stopped being this daemon's, once it did.
         self._socket_lost: str | None = None
         self._hand_over_asked = False
@@ -292,6 +300,10 @@ class Daemon:
         """
         socket = self.config.socket
         self._fd_limit = raise_fd_limit()  # logged with "started", once the start is safe
+        listeners = [self.config.tcp, self.config.health_listen, self.config.metrics_listen]
+        self._tcp_bound = tcp_connection_bound(
+            self._fd_limit[0], sum(x is not None for x in listeners)
+        )
         self.config.access.prepare_folder(socket)
         lock = SocketLock(socket)
         try:
@@ -433,7 +445,11 @@ class Daemon:
         for entry in dict.fromkeys(skipped):
             log.warning("skipped a segment name that is not ours", path=entry.path, why=entry.why)
 
-    async def _start_server(self, socket: str) -> grpc.aio.Server:
+    def _grpc_server(
+        self, servicer: WeightCacheServicer, connection_options: list[tuple[str, int]]
+    ) -> grpc.aio.Server:
+        """A gRPC server with every service, the interceptors and the given connection
+        options (the Unix socket's and ``--listen``'s differ only by those)."""
         tcp = self.config.tcp
         server = grpc.aio.server(
             # Outermost first: a peer is authorized before its request is even judged.
@@ -445,27 +461,42 @@ class Daemon:
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                 ("grpc.so_reuseport", 0),
-                *CONNECTION_OPTIONS,
+                *connection_options,
             ],
         )
+        pb_grpc.add_WeightCacheServiceServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        _enable_reflection(server)
+        return server
+
+    async def _start_server(self, socket: str) -> grpc.aio.Server:
         # Bound under a name of its own, then renamed into place: gRPC unlinks the path it
         # bound when the server stops, and by then the socket path may be another
         # daemon's (ours was removed or replaced: _watch_socket). Each accepted
         # connection keeps the bound name (getsockname), which is how the servicer
         # tells its connections from others (.peers).
         bound = _bind_path(socket)
-        pb_grpc.add_WeightCacheServiceServicer_to_server(
-            WeightCacheServicer(self.cache, bound), server
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
-        _enable_reflection(server)
+        servicer = WeightCacheServicer(self.cache, bound)
+        server = self._grpc_server(servicer, CONNECTION_OPTIONS)
+        if self.config.tcp is not None:
+            tcp_server = self._grpc_server(servicer, tcp_server_options(self._tcp_bound))
+            port = self.config.tcp.bind(tcp_server)
+            await tcp_server.start()
+            self._tcp_server = tcp_server
+            log.info(
+                "listening on tcp",
+                address=self.config.tcp.address,
+                port=port,
+                max_connections=self._tcp_bound,
+            )
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
         try:
             server.add_insecure_port(target(bound))
-            if self.config.tcp is not None:
-                port = self.config.tcp.bind(server)
-                log.info("listening on tcp", address=self.config.tcp.address, port=port)
             await server.start()
+        except BaseException:
+            if self._tcp_server is not None:
+                await self._tcp_server.stop(0)
+            raise
         finally:
             os.umask(old_umask)
         self.config.access.secure_path(bound, self.config.access.socket_mode)
@@ -487,6 +518,7 @@ class Daemon:
             required=[spec.path for spec in self.config.preload if spec.required],
             argv=self.config.argv,
             fd_limit=self._fd_limit[0],
+            tcp_max_connections=self._tcp_bound,
         )
         return server
 
@@ -494,12 +526,12 @@ class Daemon:
         """The optional health-only and metrics listeners (a bind failure stops the start:
         an operator who asked for probes must not get a daemon without them)."""
         if self._health_listener is not None:
-            await self._health_listener.start(self.health)
+            await self._health_listener.start(self.health, self._tcp_bound)
         if self._metrics_listener is not None:
             metrics = Metrics(
                 self.cache, asyncio.get_running_loop(), ready=lambda: self.health.ready
             )
-            await asyncio.to_thread(self._metrics_listener.start, metrics)
+            await asyncio.to_thread(self._metrics_listener.start, metrics, self._tcp_bound)
 
     async def _stop_listeners(self) -> None:
         if self._health_listener is not None:
@@ -668,7 +700,10 @@ class Daemon:
         self.cache.draining = True
         await self.health.shutdown()
         self.cache.close_sessions()
-        await server.stop(self._grace())
+        grace = self._grace()
+        await asyncio.gather(
+            server.stop(grace), *([self._tcp_server.stop(grace)] if self._tcp_server else [])
+        )
         await self._stop_listeners()
         await self.cache.wait_loads()
         self.store.close()
