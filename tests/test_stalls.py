@@ -32,7 +32,11 @@ from tests.test_probes import free_port
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.access import FD_RESERVE, HANDSHAKE_TIMEOUT_MS, MAX_TCP_CONNECTIONS
 from weightcache_service.metrics import METRICS_IDLE_TIMEOUT
-from weightcache_service.servicer import KEEPALIVE_BURST, MAX_KEEPALIVES_PER_SECOND
+from weightcache_service.servicer import (
+    IDS_PER_KEEPALIVE,
+    KEEPALIVE_BURST,
+    MAX_KEEPALIVES_PER_SECOND,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -254,3 +258,24 @@ def test_the_metrics_listener_closes_silent_connections(
     assert reply.startswith(b"HTTP/1.0 200 OK"), reply[:200]
     assert b"weightcache_ready" in reply
     assert "Traceback" not in daemon.log()
+
+
+def test_a_keepalive_flood_is_paced_by_lease_ids(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single])
+    sent, ids = 15, 4 * IDS_PER_KEEPALIVE  # each message costs 4
+    request = pb.KeepAliveRequest(lease_ids=[f"flood-{i}" for i in range(ids)])
+    with service_stub(daemon.socket) as flooder:
+        stream = flooder.KeepAlive(iter([request] * sent), timeout=60)
+        times = []
+        for response in stream:
+            times.append(time.monotonic())
+            assert len(response.leases) == ids
+            assert {s.state for s in response.leases} == {pb.LEASE_STATE_NOT_FOUND}
+    assert len(times) == sent
+    # 5 at once (the burst of 20), then 5 a second (20 / 4): at least 2 s for the other 10
+    # (before: 20 a second, 0.5 s at most; and all 15 at once).
+    at_once = int(KEEPALIVE_BURST) // 4
+    paced = (sent - at_once) / (MAX_KEEPALIVES_PER_SECOND / 4)
+    assert times[-1] - times[0] >= 0.8 * paced, times[-1] - times[0]

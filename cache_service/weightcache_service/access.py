@@ -35,6 +35,11 @@ CONNECTION_OPTIONS = [
     ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
     ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+    # No bandwidth-delay probing: each stream's receive window stays at gRPC's 64 KiB
+    # lookahead instead of growing to megabytes, so what a stream the daemon does not read
+    # (a paced KeepAlive flood) can make it buffer stays small. Requests are small (4 MiB
+    # at most); what the daemon sends is paced by its clients' windows, not this one.
+    ("grpc.http2.bdp_probe", 0),
 ]
 #: Connections one TCP listener (``--listen``, ``--health-listen``, ``--metrics-listen``)
 #: holds at once; one more is closed as soon as it is accepted. gRPC's
