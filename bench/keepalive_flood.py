@@ -9,10 +9,12 @@ Run with ``.venv/bin/python bench/keepalive_flood.py [--streams 32] [--seconds 5
 3. start a flooder process that opens ``--streams`` KeepAlive streams on one channel,
    each sending messages of ``--ids`` made-up lease ids as fast as gRPC lets it, for
    ``--seconds``, reading their answers;
-4. time ``GetServerInfo`` again while the flood runs, and read the daemon's VmRSS
+4. time ``GetServerInfo`` again, one call after another for as long as the flood runs
+   (``--calls`` at least), and read the daemon's VmRSS and its peak VmHWM
    (``/proc/PID/status``) at the end of the flood;
 5. print p50/p99/max latency of both phases, the KeepAlive answers the flooder got per
-   second, and the daemon's RSS before and during; stop the daemon (it must leave nothing).
+   second, and the daemon's RSS before, after and at its peak; stop the daemon (it must
+   leave nothing).
 """
 
 from __future__ import annotations
@@ -34,20 +36,22 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """``field`` of ``/proc/PID/status`` (``VmRSS``, or ``VmHWM``: the peak), in KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
 
 
-def latencies(socket: str, calls: int) -> list[float]:
-    """Seconds per GetServerInfo, one after another on one channel."""
-    out = []
+def latencies(socket: str, calls: int, until: Any = None) -> list[float]:
+    """Seconds per GetServerInfo, one after another on one channel: ``calls`` of them,
+    and more while ``until()`` is false (when given)."""
+    out: list[float] = []
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         stub = pb_grpc.WeightCacheServiceStub(channel)
         stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)  # connect first
-        for _ in range(calls):
+        while len(out) < calls or (until is not None and not until()):
             start = time.perf_counter()
             stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
             out.append(time.perf_counter() - start)
@@ -104,16 +108,27 @@ def main() -> None:
             flooder = multiprocessing.get_context("spawn").Process(
                 target=flood, args=(daemon.socket, args.streams, args.ids, args.seconds, answers)
             )
+            flood_start = time.monotonic()
             flooder.start()
             time.sleep(min(1.0, args.seconds / 4))  # the flood is under way
-            loud = latencies(daemon.socket, args.calls)
-            rss_during = rss_kib(daemon.pid)
+            # Calls all along the flood, until the flooder has ended.
+            loud = latencies(daemon.socket, args.calls, until=lambda: not flooder.is_alive())
+            rss_after = rss_kib(daemon.pid)
+            peak = rss_kib(daemon.pid, "VmHWM")
             flooder.join(args.seconds + 60)
+            flood_took = time.monotonic() - flood_start
     print(f"flood: {args.streams} KeepAlive streams x {args.ids} ids, {args.seconds:.0f} s")
     print(summary("GetServerInfo quiet ", quiet))
-    print(summary("GetServerInfo flooded", loud))
-    print(f"KeepAlive answers to the flooder: {answers.value / args.seconds:.0f}/s")
-    print(f"daemon VmRSS: {rss_before / 1024:.0f} MiB before, {rss_during / 1024:.0f} MiB during")
+    print(summary("GetServerInfo flooded", loud) + f" ({len(loud)} calls)")
+    print(
+        f"KeepAlive answers to the flooder: {answers.value} in {flood_took:.1f} s "
+        f"({answers.value / flood_took:.0f}/s, {answers.value * args.ids / flood_took:.0f} "
+        "lease ids/s), until its last stream ended"
+    )
+    print(
+        f"daemon VmRSS: {rss_before / 1024:.0f} MiB before, {rss_after / 1024:.0f} MiB after, "
+        f"peak (VmHWM) {peak / 1024:.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

@@ -936,6 +936,10 @@ ROGUE_CASES: dict[str, tuple[Callable[[Rogue, pb.AcquireResponse], None], str]] 
         lambda r, reply: _set(reply.storage.shared_memory, path="/dev/shm/../etc/hostname"),
         "shared-memory handles must name a file in /dev/shm",
     ),
+    "nul-byte-in-path": (
+        lambda r, reply: _set(reply.storage.shared_memory, path=r.segment + "\0x"),
+        "a shared-memory handle's path holds a NUL byte",
+    ),
     "symlink-in-dev-shm": (
         lambda r, reply: _set(reply.storage.shared_memory, path=_rogue_path(r, "symlink")),
         "cannot open shared memory: Too many levels of symbolic links",

@@ -4,12 +4,18 @@
   not hold SIGTERM: the daemon exits within its drain timeout;
 - connections that never speak are closed after the handshake timeout, and the daemon
   raises its soft file descriptor limit to the hard one;
+- each TCP listener (``--listen``, ``--health-listen``, ``--metrics-listen``) holds a
+  bounded number of connections, which together leave ``FD_RESERVE`` descriptors for the
+  Unix socket and loads; the metrics listener closes a silent connection after
+  ``METRICS_IDLE_TIMEOUT``;
 - a KeepAlive stream that floods is read at a bounded rate, and another client is served
   meanwhile (``bench/keepalive_flood.py`` measures its latency);
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import signal
 import socket
 import subprocess
@@ -21,11 +27,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.http2_support import ZeroWindowStream, unix_connection
-from tests.support import Checkpoints, DaemonPool, service_stub
+from tests.support import Checkpoints, DaemonPool, service_stub, wait_until
 from tests.test_probes import free_port
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache_service.access import HANDSHAKE_TIMEOUT_MS
-from weightcache_service.servicer import KEEPALIVE_BURST, MAX_KEEPALIVES_PER_SECOND
+from weightcache_service.access import FD_RESERVE, HANDSHAKE_TIMEOUT_MS, MAX_TCP_CONNECTIONS
+from weightcache_service.metrics import METRICS_IDLE_TIMEOUT
+from weightcache_service.servicer import (
+    IDS_PER_KEEPALIVE,
+    KEEPALIVE_BURST,
+    MAX_KEEPALIVES_PER_SECOND,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,4 +135,147 @@ def test_a_keepalive_flood_is_paced_and_others_are_served(
                 break
     # 20 at once, then 20 a second (before: all 60 within milliseconds).
     paced = (sent - KEEPALIVE_BURST) / MAX_KEEPALIVES_PER_SECOND
+    assert times[-1] - times[0] >= 0.8 * paced, times[-1] - times[0]
+
+
+def open_idle(port: int, count: int) -> list[socket.socket]:
+    """``count`` TCP connections to the port that never send a byte."""
+    return [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(count)]
+
+
+def closed_by_peer(conn: socket.socket, within: float) -> bool:
+    """Whether the peer closes ``conn`` within ``within`` seconds (reading what it sends
+    first, e.g. HTTP/2 settings)."""
+    conn.settimeout(within)
+    try:
+        while conn.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def answered(conn: socket.socket, within: float) -> bool:
+    """Whether the peer sent something (gRPC's settings) within ``within`` seconds."""
+    conn.settimeout(within)
+    try:
+        return bool(conn.recv(65536))
+    except (TimeoutError, ConnectionResetError):
+        return False
+
+
+def connections(pid: int, port: int) -> int:
+    """TCP connections on local ``port`` that process ``pid`` holds a descriptor of
+    (``/proc/net/tcp``'s established sockets, matched by inode)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                inodes.add(f"socket:[{fields[9]}]")
+    held = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            held += os.readlink(fd) in inodes
+        except FileNotFoundError:
+            continue
+    return held
+
+
+def all_held(pid: int, port: int, count: int) -> bool:
+    return connections(pid, port) == count
+
+
+def test_tcp_listeners_hold_a_bounded_number_of_connections(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    # A hard limit the daemon cannot raise: the three listeners' bound leaves FD_RESERVE
+    # descriptors free (a small one: the metrics listener starts a thread per connection,
+    # slowly on a loaded machine, and must hold them all within its idle timeout).
+    soft = FD_RESERVE + 3 * 20
+    bound = (soft - FD_RESERVE) // 3
+    assert bound == 20 < MAX_TCP_CONNECTIONS
+    daemon = daemons.start(
+        [checkpoints.single],
+        args=[
+            *("--listen", f"127.0.0.1:{grpc_port}", "--insecure"),
+            *("--health-listen", f"127.0.0.1:{health_port}"),
+            *("--metrics-listen", f"127.0.0.1:{metrics_port}"),
+        ],
+        wrap=["prlimit", f"--nofile={soft}:{soft}", "--"],
+    )
+    assert f"tcp_max_connections={bound}" in daemon.log(), daemon.log()
+    with service_stub(daemon.socket) as stub:
+        instance = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).instance_id
+    for port in (grpc_port, health_port, metrics_port):
+        held = open_idle(port, bound)
+        try:
+            if port != metrics_port:  # gRPC greets with its settings; HTTP/1 waits
+                assert all(answered(conn, 10) for conn in held)
+            # The daemon has accepted them all, a descriptor each (well within the 5 s
+            # handshake and idle timeouts).
+            wait_until(functools.partial(all_held, daemon.pid, port, bound), 4.0)
+            extra = open_idle(port, 1)[0]
+            try:
+                # One more is closed at once (long before any idle timeout).
+                assert closed_by_peer(extra, 3.0), port
+            finally:
+                extra.close()
+            assert connections(daemon.pid, port) == bound
+            # Workers on the Unix socket are served all along.
+            with service_stub(daemon.socket) as stub:
+                info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+            assert info.instance_id == instance
+        finally:
+            for conn in held:
+                conn.close()
+
+
+def test_the_metrics_listener_closes_silent_connections(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    port = free_port()
+    daemon = daemons.start([checkpoints.single], args=["--metrics-listen", f"127.0.0.1:{port}"])
+    idle = open_idle(port, 20)
+    try:
+        start = time.monotonic()
+        assert all(closed_by_peer(conn, METRICS_IDLE_TIMEOUT + 20) for conn in idle)
+        took = time.monotonic() - start
+        # Closed after the idle timeout (before: kept as long as the peer wished).
+        assert METRICS_IDLE_TIMEOUT - 0.5 <= took < METRICS_IDLE_TIMEOUT + 20, took
+    finally:
+        for conn in idle:
+            conn.close()
+    # It still serves.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.0 200 OK"), reply[:200]
+    assert b"weightcache_ready" in reply
+    assert "Traceback" not in daemon.log()
+
+
+def test_a_keepalive_flood_is_paced_by_lease_ids(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    daemon = daemons.start([checkpoints.single])
+    sent, ids = 15, 4 * IDS_PER_KEEPALIVE  # each message costs 4
+    request = pb.KeepAliveRequest(lease_ids=[f"flood-{i}" for i in range(ids)])
+    with service_stub(daemon.socket) as flooder:
+        stream = flooder.KeepAlive(iter([request] * sent), timeout=60)
+        times = []
+        for response in stream:
+            times.append(time.monotonic())
+            assert len(response.leases) == ids
+            assert {s.state for s in response.leases} == {pb.LEASE_STATE_NOT_FOUND}
+    assert len(times) == sent
+    # 5 at once (the burst of 20), then 5 a second (20 / 4): at least 2 s for the other 10
+    # (before: 20 a second, 0.5 s at most; and all 15 at once).
+    at_once = int(KEEPALIVE_BURST) // 4
+    paced = (sent - at_once) / (MAX_KEEPALIVES_PER_SECOND / 4)
     assert times[-1] - times[0] >= 0.8 * paced, times[-1] - times[0]

@@ -35,7 +35,35 @@ CONNECTION_OPTIONS = [
     ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
     ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+    # No bandwidth-delay probing: each stream's receive window stays at gRPC's 64 KiB
+    # lookahead instead of growing to megabytes, so what a stream the daemon does not read
+    # (a paced KeepAlive flood) can make it buffer stays small. Requests are small (4 MiB
+    # at most); what the daemon sends is paced by its clients' windows, not this one.
+    ("grpc.http2.bdp_probe", 0),
 ]
+#: Connections one TCP listener (``--listen``, ``--health-listen``, ``--metrics-listen``)
+#: holds at once; one more is closed as soon as it is accepted. gRPC's
+#: ``grpc.max_allowed_incoming_connections`` counts per listener (each port of a server);
+#: the Unix socket, on a server of its own, is not bounded.
+MAX_TCP_CONNECTIONS = 256
+#: File descriptors kept out of the TCP listeners' reach (of the soft ``RLIMIT_NOFILE``):
+#: for the Unix socket's workers and for loads (checkpoint files, segments).
+FD_RESERVE = 512
+
+
+def tcp_connection_bound(soft_limit: int, listeners: int) -> int:
+    """Connections each of ``listeners`` TCP listeners may hold so that together they
+    leave :data:`FD_RESERVE` of ``soft_limit`` descriptors: at most
+    :data:`MAX_TCP_CONNECTIONS`, at least 1."""
+    if listeners <= 0:
+        return MAX_TCP_CONNECTIONS
+    return max(1, min(MAX_TCP_CONNECTIONS, (soft_limit - FD_RESERVE) // listeners))
+
+
+def tcp_server_options(max_connections: int) -> list[tuple[str, int]]:
+    """gRPC server options of a TCP listener: :data:`CONNECTION_OPTIONS` and at most
+    ``max_connections`` connections at once."""
+    return [*CONNECTION_OPTIONS, ("grpc.max_allowed_incoming_connections", max_connections)]
 
 
 class AccessError(RuntimeError):

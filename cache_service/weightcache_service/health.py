@@ -27,7 +27,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 
 from weightcache.core.rpc import LIVENESS, READINESS, SERVICE_NAME
-from weightcache_service.access import CONNECTION_OPTIONS, AccessError, parse_listen
+from weightcache_service.access import (
+    MAX_TCP_CONNECTIONS,
+    AccessError,
+    parse_listen,
+    tcp_server_options,
+)
 from weightcache_service.store import Store
 
 log = structlog.get_logger("weightcache.daemon")
@@ -193,15 +198,18 @@ class HealthListener:
         self.address = address
         self._server: grpc.aio.Server | None = None
 
-    async def start(self, health: Health) -> int:
-        """Bind and start serving ``health``; returns the port bound.
+    async def start(self, health: Health, max_connections: int = MAX_TCP_CONNECTIONS) -> int:
+        """Bind and start serving ``health``, holding at most ``max_connections``
+        connections at once (one more is closed when accepted); returns the port bound.
 
         Raises:
             AccessError: ``address`` is not ``HOST:PORT``, its port is above 65535, or it
                 cannot be bound.
         """
         parse_listen(self.address, "--health-listen")
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *CONNECTION_OPTIONS])
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), *tcp_server_options(max_connections)]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
         try:
             port = server.add_insecure_port(self.address)

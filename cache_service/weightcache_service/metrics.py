@@ -39,11 +39,13 @@ have not ended yet; counted against the budget.
 from __future__ import annotations
 
 import asyncio
+import socket
+import socketserver
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import get_args
-from wsgiref.simple_server import WSGIServer
+from typing import Any, get_args
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
 from prometheus_client import (
@@ -51,13 +53,13 @@ from prometheus_client import (
     Counter,
     Histogram,
     ProcessCollector,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from weightcache.core.records import ModelState
-from weightcache_service.access import AccessError, parse_listen
+from weightcache_service.access import MAX_TCP_CONNECTIONS, AccessError, parse_listen
 from weightcache_service.cache import CacheEvents, WeightCache
 from weightcache_service.store import Entry
 
@@ -250,9 +252,60 @@ class _Gauges(Collector):
         yield info
 
 
+#: Seconds a metrics connection may stay silent (no request line, or a request not
+#: finished) before the listener closes it.
+METRICS_IDLE_TIMEOUT = 5.0
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """One request per connection, no access log; a peer silent for
+    :data:`METRICS_IDLE_TIMEOUT` seconds is dropped (the socket's timeout)."""
+
+    timeout = METRICS_IDLE_TIMEOUT
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except OSError:  # TimeoutError included: an idle or vanished peer
+            self.close_connection = True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log nothing."""
+
+
+class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
+    """prometheus-client's threading WSGI server, holding at most ``max_connections``
+    connections (threads) at once: one more is closed as soon as it is accepted."""
+
+    daemon_threads = True
+    max_connections = MAX_TCP_CONNECTIONS
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsListener:
-    """``--metrics-listen HOST:PORT``: the registry over HTTP (prometheus-client's server,
-    on a thread of its own).
+    """``--metrics-listen HOST:PORT``: the registry over HTTP (prometheus-client's WSGI
+    app, on a thread of its own), one request per connection, at most
+    ``max_connections`` connections at once, each closed after
+    :data:`METRICS_IDLE_TIMEOUT` seconds of silence.
 
     Args:
         address: ``HOST:PORT``; port 0 picks a free one.
@@ -263,18 +316,40 @@ class MetricsListener:
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self, metrics: Metrics) -> int:
-        """Bind and serve; returns the port bound.
+    def start(self, metrics: Metrics, max_connections: int = MAX_TCP_CONNECTIONS) -> int:
+        """Bind and serve, holding at most ``max_connections`` connections; returns the
+        port bound.
 
         Raises:
             AccessError: ``address`` is not ``HOST:PORT``, its port is above 65535, or it
                 cannot be bound.
         """
         host, port = parse_listen(self.address, "--metrics-listen")
+
+        class Server(_BoundedServer):
+            pass
+
+        Server.max_connections = max_connections
         try:
-            self._server, self._thread = start_http_server(port, host, registry=metrics.registry)
+            # As prometheus-client's start_http_server: the family of the address
+            # ("::" serves IPv6 and IPv4).
+            family, _, _, _, sockaddr = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            Server.address_family = family
+            self._server = make_server(
+                str(sockaddr[0]),
+                port,
+                make_wsgi_app(metrics.registry),
+                Server,
+                handler_class=_QuietHandler,
+            )
         except OSError as exc:
             raise AccessError(f"--metrics-listen {self.address}: cannot bind: {exc}") from None
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="weightcache-metrics", daemon=True
+        )
+        self._thread.start()
         bound = int(self._server.server_port)
         log.info("metrics listening", address=self.address, port=bound)
         return bound

@@ -30,6 +30,7 @@ from weightcache.core.fingerprint import DEFAULT_LEVEL, Level
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.rpc import MAX_RESPONSE_BYTES, SERVICE_NAME, target
 from weightcache.core.sockets import MAX_SOCKET_PATH, SHM_DIR, segment_tag
+from weightcache.core.stalls import StallWatch
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service import signals
 from weightcache_service.access import (
@@ -38,6 +39,8 @@ from weightcache_service.access import (
     AccessError,
     is_loopback,
     parse_listen,
+    tcp_connection_bound,
+    tcp_server_options,
 )
 from weightcache_service.arena import SharedMemoryArena
 from weightcache_service.authz import AuthorizationInterceptor, Policy
@@ -71,6 +74,11 @@ from weightcache_service.store import Entry, Store
 log = structlog.get_logger("weightcache.daemon")
 
 REAP_INTERVAL = 0.2
+#: Seconds between the event loop's beats of its :class:`StallWatch` (whose clock times
+#: the leases: a loop that did not run for longer stops the lease clock meanwhile).
+STALL_BEAT = 0.1
+#: A stall of the event loop at least this long (seconds) is logged.
+STALL_LOGGED = 1.0
 #: Seconds between checks that the socket path and its lock file are still this daemon's.
 SOCKET_CHECK_INTERVAL = 0.5
 #: Seconds each ``EXTEND_TIMEOUT_USEC`` gives systemd's start timeout while start-up
@@ -222,8 +230,16 @@ class Daemon:
         self.backend = open_backend(config.device, self._segment_prefix, config.access)
         config.budget.bind(self.backend.available)
         self.store = Store(self.backend.make_arena, config.budget)
+        #: How long the event loop was not scheduled; its clock times the leases, so a
+        #: daemon that was starved (an overloaded host, SIGSTOP) does not count that time
+        #: against leases whose renewals were queued behind it (docs/leases.md).
+        self.stalls = StallWatch()
         self.cache = WeightCache(
-            self.store, leases or LeaseTable(), config.options, self.instance_id, self.backend
+            self.store,
+            leases or LeaseTable(clock=self.stalls.now),
+            config.options,
+            self.instance_id,
+            self.backend,
         )
         # Until every start-up preload is registered, a miss may be a model about to load.
         self.cache.starting = bool(config.preload)
@@ -242,6 +258,12 @@ class Daemon:
         self._socket_id: tuple[int, int] | None = None
         #: (soft, hard) RLIMIT_NOFILE after raise_fd_limit, for the "started" line.
         self._fd_limit: tuple[int, int] = (0, 0)
+        #: Connections each TCP listener may hold (access.tcp_connection_bound).
+        self._tcp_bound = 0
+        #: The ``--listen`` server: a gRPC server of its own, so that its connection
+        #: bound (which gRPC applies per listener, from server-wide options) leaves the
+        #: Unix socket unbounded.
+        self._tcp_server: grpc.aio.Server | None = None
         #: Why the socket path stopped being this daemon's, once it did.
         self._socket_lost: str | None = None
         self._hand_over_asked = False
@@ -278,6 +300,10 @@ class Daemon:
         """
         socket = self.config.socket
         self._fd_limit = raise_fd_limit()  # logged with "started", once the start is safe
+        listeners = [self.config.tcp, self.config.health_listen, self.config.metrics_listen]
+        self._tcp_bound = tcp_connection_bound(
+            self._fd_limit[0], sum(x is not None for x in listeners)
+        )
         self.config.access.prepare_folder(socket)
         lock = SocketLock(socket)
         try:
@@ -419,7 +445,11 @@ class Daemon:
         for entry in dict.fromkeys(skipped):
             log.warning("skipped a segment name that is not ours", path=entry.path, why=entry.why)
 
-    async def _start_server(self, socket: str) -> grpc.aio.Server:
+    def _grpc_server(
+        self, servicer: WeightCacheServicer, connection_options: list[tuple[str, int]]
+    ) -> grpc.aio.Server:
+        """A gRPC server with every service, the interceptors and the given connection
+        options (the Unix socket's and ``--listen``'s differ only by those)."""
         tcp = self.config.tcp
         server = grpc.aio.server(
             # Outermost first: a peer is authorized before its request is even judged.
@@ -431,27 +461,42 @@ class Daemon:
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                 ("grpc.so_reuseport", 0),
-                *CONNECTION_OPTIONS,
+                *connection_options,
             ],
         )
+        pb_grpc.add_WeightCacheServiceServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        _enable_reflection(server)
+        return server
+
+    async def _start_server(self, socket: str) -> grpc.aio.Server:
         # Bound under a name of its own, then renamed into place: gRPC unlinks the path it
         # bound when the server stops, and by then the socket path may be another
         # daemon's (ours was removed or replaced: _watch_socket). Each accepted
         # connection keeps the bound name (getsockname), which is how the servicer
         # tells its connections from others (.peers).
         bound = _bind_path(socket)
-        pb_grpc.add_WeightCacheServiceServicer_to_server(
-            WeightCacheServicer(self.cache, bound), server
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
-        _enable_reflection(server)
+        servicer = WeightCacheServicer(self.cache, bound)
+        server = self._grpc_server(servicer, CONNECTION_OPTIONS)
+        if self.config.tcp is not None:
+            tcp_server = self._grpc_server(servicer, tcp_server_options(self._tcp_bound))
+            port = self.config.tcp.bind(tcp_server)
+            await tcp_server.start()
+            self._tcp_server = tcp_server
+            log.info(
+                "listening on tcp",
+                address=self.config.tcp.address,
+                port=port,
+                max_connections=self._tcp_bound,
+            )
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
         try:
             server.add_insecure_port(target(bound))
-            if self.config.tcp is not None:
-                port = self.config.tcp.bind(server)
-                log.info("listening on tcp", address=self.config.tcp.address, port=port)
             await server.start()
+        except BaseException:
+            if self._tcp_server is not None:
+                await self._tcp_server.stop(0)
+            raise
         finally:
             os.umask(old_umask)
         self.config.access.secure_path(bound, self.config.access.socket_mode)
@@ -473,6 +518,7 @@ class Daemon:
             required=[spec.path for spec in self.config.preload if spec.required],
             argv=self.config.argv,
             fd_limit=self._fd_limit[0],
+            tcp_max_connections=self._tcp_bound,
         )
         return server
 
@@ -480,12 +526,12 @@ class Daemon:
         """The optional health-only and metrics listeners (a bind failure stops the start:
         an operator who asked for probes must not get a daemon without them)."""
         if self._health_listener is not None:
-            await self._health_listener.start(self.health)
+            await self._health_listener.start(self.health, self._tcp_bound)
         if self._metrics_listener is not None:
             metrics = Metrics(
                 self.cache, asyncio.get_running_loop(), ready=lambda: self.health.ready
             )
-            await asyncio.to_thread(self._metrics_listener.start, metrics)
+            await asyncio.to_thread(self._metrics_listener.start, metrics, self._tcp_bound)
 
     async def _stop_listeners(self) -> None:
         if self._health_listener is not None:
@@ -513,6 +559,7 @@ class Daemon:
 
     async def _serve(self, lock: SocketLock) -> None:
         tasks = [
+            asyncio.create_task(self._watch_stalls()),
             asyncio.create_task(self._watch_socket(lock)),
             asyncio.create_task(self._reap_forever()),
             asyncio.create_task(self._preload_startup()),
@@ -554,6 +601,21 @@ class Daemon:
         while leases.unsettled() and loop.time() < deadline and not self._force.is_set():
             await asyncio.sleep(0.05)
         log.info("drained", leases_left=leases.unsettled(), leases_kept=len(leases))
+
+    async def _watch_stalls(self) -> None:
+        # Beats from the event loop: a loop that does not turn stops the lease clock.
+        try:
+            while True:
+                stall = self.stalls.beat(STALL_BEAT)
+                if stall >= STALL_LOGGED:
+                    log.warning(
+                        "event loop stalled: lease times extended",
+                        seconds=round(stall, 3),
+                        leases=len(self.cache.leases),
+                    )
+                await asyncio.sleep(STALL_BEAT)
+        finally:
+            self.stalls.beat(None)  # no more beats: the lease clock runs on
 
     async def _reap_forever(self) -> None:
         while True:
@@ -638,7 +700,10 @@ class Daemon:
         self.cache.draining = True
         await self.health.shutdown()
         self.cache.close_sessions()
-        await server.stop(self._grace())
+        grace = self._grace()
+        await asyncio.gather(
+            server.stop(grace), *([self._tcp_server.stop(grace)] if self._tcp_server else [])
+        )
         await self._stop_listeners()
         await self.cache.wait_loads()
         self.store.close()

@@ -57,6 +57,12 @@ PROGRESS_INTERVAL = 0.25
 MAX_KEEPALIVES_PER_SECOND = 20.0
 #: The messages a stream may send at once before the rate applies.
 KEEPALIVE_BURST = 20.0
+#: Lease ids one message may name for the price of one: a message naming more costs
+#: ``ceil(ids / IDS_PER_KEEPALIVE)`` of the stream's budget, so what a flooding stream
+#: costs the daemon is bounded in lease ids (20 x 256 = 5 120 a second), not only in
+#: messages. A worker holding the most leases a pid may hold (1024) with the shortest TTL
+#: (1 s) renews 3 x 1024 ids a second: 12 of the 20.
+IDS_PER_KEEPALIVE = 256
 #: ErrorInfo metadata keys written into a refusal's log line.
 _LOGGED_METADATA = ("model", "components", "cause", "environment", "field")
 
@@ -227,7 +233,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
             async for request in requests:
                 if len(request.lease_ids) > MAX_LEASES_PER_REQUEST:
                     break
-                await budget.take()
+                await budget.take(max(1, -(-len(request.lease_ids) // IDS_PER_KEEPALIVE)))
                 # A peer that sends without reading must not grow the daemon's memory: stop
                 # reading (so its sends stall) until it has taken its answers.
                 while outbox.qsize() >= MAX_PENDING_RESPONSES:
@@ -293,13 +299,14 @@ class _TokenBucket:
         self._tokens = burst
         self._at = time.monotonic()
 
-    async def take(self) -> None:
-        """Wait until one event is allowed, and count it."""
+    async def take(self, cost: float = 1.0) -> None:
+        """Wait until an event of ``cost`` tokens (at most ``burst``) is allowed, and
+        count it."""
         now = time.monotonic()
         self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
         self._at = now
-        if self._tokens < 1:
-            await asyncio.sleep((1 - self._tokens) / self._rate)
-            self._tokens = 1.0
+        if self._tokens < cost:
+            await asyncio.sleep((cost - self._tokens) / self._rate)
+            self._tokens = cost
             self._at = time.monotonic()
-        self._tokens -= 1
+        self._tokens -= cost

@@ -16,6 +16,7 @@ tensor. Both check the same things and give the same sizes, strides and bytes.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import operator
 import os
@@ -29,7 +30,7 @@ import torch
 
 from weightcache.core.cuda import local_index, open_ipc
 from weightcache.core.dtypes import TORCH_DTYPES
-from weightcache.core.errors import HandleError
+from weightcache.core.errors import HandleError, ResourceExhaustedError, WeightCacheError
 from weightcache.core.records import CudaIpcHandle, SharedMemoryHandle, ViewColumns, ViewRow
 from weightcache.core.sockets import SHM_DIR
 
@@ -114,17 +115,29 @@ def open_shared_memory(
 ) -> MappedArena:
     """Map a shared-memory arena and build one tensor per view.
 
+    The segment is opened once (``O_NOFOLLOW``) and everything is checked on that
+    descriptor: owner, type, and its size, which must be the handle's both before it is
+    mapped and again once it is, before any view is built (a segment the daemon truncated
+    under the mapping is refused here, instead of ``SIGBUS`` on a later read). After this
+    returns, a zero-copy attach's bytes are the owner's file: see SECURITY.md, "Not
+    protected".
+
     Args:
         handle: the arena's path and size in bytes.
         views: tensor views of the arena.
-        copy: copy the whole arena into private memory first (one memcpy, tied views stay
-            tied); the mapping is closed before returning.
+        copy: read the whole arena through the descriptor into private memory (tied
+            views stay tied); no mapping of the segment is kept, and a segment that
+            shrinks while it is read is refused rather than faulting.
         owner: uid the segment must belong to (the daemon's); None skips the check.
 
     Raises:
-        HandleError: the path is not a regular file directly under /dev/shm, is a symlink,
-            belongs to another uid than ``owner``, its size differs from the handle's, or a
-            view lies outside the arena or has an unknown dtype.
+        HandleError: the path holds a NUL byte or is not a file directly under /dev/shm,
+            is a symlink, is not a regular file, belongs to another uid than ``owner``,
+            its size differs from the handle's (before mapping, after mapping, or while
+            copied), or a view lies outside the arena or has an unknown dtype.
+        ResourceExhaustedError: this process, or the system, has no file descriptor
+            (``EMFILE``, ``ENFILE``) or memory (``ENOMEM``, or no room for the copy) to
+            open, map or copy the segment.
     """
     _check_path(handle.path)
     fd = _open_regular(handle.path)
@@ -135,15 +148,68 @@ def open_shared_memory(
         size = info.st_size
         if size != handle.size or size <= 0:
             raise HandleError(f"{handle.path}: size {size} does not match handle {handle.size}")
-        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        if copy:
+            base = torch.frombuffer(_read_all(fd, handle.path, size), dtype=torch.uint8)
+        else:
+            try:
+                mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            except OSError as exc:
+                raise _os_error(handle.path, "map", exc) from None
+            _check_size(fd, handle.path, size, "once mapped")
+            base = torch.frombuffer(mapping, dtype=torch.uint8)
     finally:
         os.close(fd)
-    base = torch.frombuffer(mapping, dtype=torch.uint8)
-    if copy:
-        base = base.clone()
-        # The clone owns its bytes; the mapping can go now that no tensor views it.
-        del mapping
     return MappedArena(tensors=build_views(base, views), base=base, size=size)
+
+
+#: errno values that say this process or the system ran out of something (descriptors,
+#: memory), not that the handle is bad: ``RESOURCE_EXHAUSTED``.
+EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def _os_error(path: str, doing: str, exc: OSError) -> WeightCacheError:
+    """The documented reason for an ``OSError`` of opening, mapping or reading a segment."""
+    detail = f"{path}: cannot {doing} shared memory: {exc.strerror}"
+    if exc.errno in EXHAUSTED_ERRNOS:
+        return ResourceExhaustedError(f"{detail} (in this worker process)")
+    return HandleError(detail)
+
+
+def _check_size(fd: int, path: str, size: int, when: str) -> None:
+    """Refuse a segment whose size is no longer ``size`` (bytes)."""
+    now = os.fstat(fd).st_size
+    if now != size:
+        raise HandleError(f"{path}: size {now} does not match handle {size} ({when})")
+
+
+def _read_all(fd: int, path: str, size: int) -> mmap.mmap:
+    """Read ``size`` bytes of the segment through ``fd`` into private anonymous memory.
+
+    Raises:
+        HandleError: the segment ended early (it shrank) or a read failed.
+        ResourceExhaustedError: no memory for the copy.
+    """
+    try:
+        buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:
+        raise _os_error(path, "copy", exc) from None
+    view = memoryview(buffer)
+    done = 0
+    try:
+        while done < size:
+            try:
+                got = os.preadv(fd, [view[done:]], done)
+            except OSError as exc:
+                raise _os_error(path, "read", exc) from None
+            if got == 0:
+                raise HandleError(
+                    f"{path}: size {done} does not match handle {size} (shrank while copied)"
+                )
+            done += got
+        _check_size(fd, path, size, "once copied")
+    finally:
+        view.release()
+    return buffer
 
 
 def open_cuda_ipc(handle: CudaIpcHandle, views: ViewColumns, *, copy: bool) -> MappedArena:
@@ -172,6 +238,8 @@ def open_cuda_ipc(handle: CudaIpcHandle, views: ViewColumns, *, copy: bool) -> M
 
 
 def _check_path(path: str) -> None:
+    if "\0" in path:
+        raise HandleError(f"{path!r}: a shared-memory handle's path holds a NUL byte")
     if os.path.dirname(path) != SHM_DIR or os.path.basename(path) in ("", ".", ".."):
         raise HandleError(f"{path}: shared-memory handles must name a file in {SHM_DIR}")
 
@@ -190,7 +258,7 @@ def _open_regular(path: str) -> int:
     except FileNotFoundError:
         raise SegmentGoneError(f"{path}: the segment was removed after the grant") from None
     except OSError as exc:
-        raise HandleError(f"{path}: cannot open shared memory: {exc.strerror}") from None
+        raise _os_error(path, "open", exc) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise HandleError(f"{path}: not a regular file")

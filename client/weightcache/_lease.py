@@ -61,6 +61,7 @@ from weightcache.core.forking import calling
 from weightcache.core.per_process import PerProcess
 from weightcache.core.protocol import lease_status_from_pb
 from weightcache.core.rpc import retire, shared
+from weightcache.core.stalls import StallWatch
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 log = get_logger("weightcache.lease")
@@ -79,6 +80,8 @@ RevokePolicy = Literal["keep", "copy", "raise", "exit"]
 REVOKE_POLICIES: tuple[RevokePolicy, ...] = ("keep", "copy", "raise", "exit")
 #: Seconds between attempts to reach the successor of a daemon that handed over.
 RECONNECT_INTERVAL = 0.1
+#: A stall of the keepalive thread at least this long (seconds) is logged.
+STALL_LOGGED = 1.0
 #: Exit status under the ``exit`` policy (EX_TEMPFAIL from sysexits.h).
 EXIT_LEASE_LOST = 75
 Clock = Callable[[], float]
@@ -95,7 +98,8 @@ class ClientLease:
         ttl: seconds granted.
         policy: what to do when it is lost.
         on_lost: called (on the keepalive thread) when it is lost, before the policy.
-        last_ack: clock reading of the daemon's last acknowledgement.
+        last_ack: clock reading of the daemon's last acknowledgement (once added to a
+            :class:`KeepAliveSession`, on its stall-watch clock).
         on_revoke: what to do on REVOKING.
         privatize: makes this process's mapping private (for ``on_revoke="copy"``).
         lost: the loss, once it happened.
@@ -145,6 +149,12 @@ class KeepAliveSession:
 
     The stream runs on a daemon thread for the life of the process, or until it breaks.
 
+    Leases are timed on the clock of a :class:`StallWatch` that the renewing thread beats
+    around its timed waits: time that thread was not scheduled (an overloaded host,
+    SIGSTOP) stops that clock, so it is not taken for the daemon's silence. After such a
+    stall the renewal goes out at once and the daemon's answer decides (ACTIVE: kept;
+    NOT_FOUND: lost).
+
     Args:
         socket: the daemon's socket path.
         clock: monotonic seconds (injectable for tests).
@@ -152,7 +162,9 @@ class KeepAliveSession:
 
     def __init__(self, socket: str, clock: Clock = time.monotonic) -> None:
         self.socket = socket
-        self._clock = clock
+        #: The renewing thread's stalls; its clock times acknowledgements and validity.
+        self.stalls = StallWatch(clock)
+        self._clock = self.stalls.now
         self._leases: dict[str, ClientLease] = {}
         self._lock = threading.Lock()
         self._wake: queue.Queue[None] = queue.Queue()
@@ -170,7 +182,9 @@ class KeepAliveSession:
         return not self._closed.is_set()
 
     def add(self, lease: ClientLease) -> None:
-        """Start renewing a lease (the first renewal is sent at once)."""
+        """Start renewing a lease (the first renewal is sent at once); its ``last_ack``
+        is reset to now on this session's clock (:attr:`stalls`), on which it is kept."""
+        lease.last_ack = self._clock()
         with self._lock:
             self._leases[lease.lease_id] = lease
         self._wake.put(None)
@@ -235,6 +249,7 @@ class KeepAliveSession:
     def _requests(self) -> Iterator[pb.KeepAliveRequest]:
         # Holds lease ids only, never a ClientLease: the generator's frame lives as long as
         # the stream, and a lease kept here would keep its arena mapped after close().
+        stalled = self.stalls.stalled
         next_send = 0.0
         while True:
             ids, interval = self._live_leases()
@@ -249,6 +264,11 @@ class KeepAliveSession:
                 yield pb.KeepAliveRequest(lease_ids=ids)
             if self._wait_wake(min(interval / 4, 0.25)):
                 next_send = 0.0
+            elif self.stalls.stalled > stalled:
+                # This thread was not scheduled for a while: renew now, and let the
+                # daemon's answer say whether the leases are still there.
+                next_send = 0.0
+            stalled = self.stalls.stalled
 
     def _live_leases(self) -> tuple[list[str], float]:
         """Declare lost the leases whose validity passed; the ids of the others and the
@@ -264,10 +284,21 @@ class KeepAliveSession:
         return [lease.lease_id for lease in live], interval
 
     def _wait_wake(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a wake-up; True if one came. The wait is a
+        beat of :attr:`stalls`: waking later than ``timeout`` is a stall of this thread."""
+        self.stalls.beat(timeout)
         try:
             self._wake.get(timeout=timeout)
         except queue.Empty:
             return False
+        finally:
+            stall = self.stalls.beat(None)  # until the next wait, sends may block
+            if stall >= STALL_LOGGED:
+                log.info(
+                    "keepalive thread was not scheduled: renewing at once",
+                    seconds=round(stall, 3),
+                    socket=self.socket,
+                )
         return True
 
     def _on_response(self, response: pb.KeepAliveResponse) -> None:
