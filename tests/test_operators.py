@@ -424,7 +424,7 @@ def _named(expr: str) -> set[str]:
 
 def test_the_dashboard_and_alerts_name_only_exported_metrics(daemons: DaemonPool) -> None:
     port = free_port()
-    # With a budget: weightcache_memory_budget_bytes is absent when there is none.
+    # With a budget (without one, weightcache_memory_budget_bytes is +Inf).
     daemons.start(args=["--metrics-listen", f"127.0.0.1:{port}", "--max-memory", "1GiB"])
     dashboard = json.loads((MONITORING / "weightcache-dashboard.json").read_text())
     rules = yaml.safe_load((MONITORING / "weightcache-alerts.yml").read_text())

@@ -4,7 +4,8 @@ Subcommands:
 
 - ``preload MODEL_DIR... [--socket PATH] [--dtype D]``: run the daemon in the foreground,
   loading each checkpoint at start. A MODEL_DIR that does not exist may be a Hub repo id
-  (``org/name`` or ``org/name@REVISION``) in the local Hub cache (:mod:`.hub`). Stops
+  (``org/name`` or ``org/name@REVISION``) in the local Hub cache
+  (:mod:`weightcache.core.hub`). Stops
   cleanly on SIGTERM or SIGINT. ``--require``, ``--health-listen`` and
   ``--metrics-listen``: see :mod:`weightcache_service.health` and :mod:`.metrics`.
 - ``ls [--json]``: the models held, their state, load progress, bytes and leases; below,
@@ -397,17 +398,25 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
             plugins=tuple(PluginStep.parse(text) for text in args.recipe),
         )
         ranks = parse_ranks(args.tp_rank, args.tp_size)
-        models = _models(args.models)
+        named = _models(args.models)
+        models = [path for path, _ in named]
         required = required_paths(
-            models, [r if r == "none" else _models([r])[0] for r in args.require]
+            models, [r if r == "none" else _models([r])[0][0] for r in args.require]
         )
         device = resolve_device(args.device)  # once: it names the socket and the backend
         config = DaemonConfig(
             socket=daemon_socket(args, device),
             device=device,
             preload=[
-                PreloadSpec(path, recipe, Placement(rank, args.tp_size), level, path in required)
-                for path in models
+                PreloadSpec(
+                    path,
+                    recipe,
+                    Placement(rank, args.tp_size),
+                    level,
+                    path in required,
+                    name=name,
+                )
+                for path, name in named
                 for rank in ranks
             ],
             options=ServiceOptions(
@@ -455,19 +464,21 @@ def _drop_multiprocess_variables() -> dict[str, str]:
     return {name: os.environ.pop(name) for name in MULTIPROC_VARIABLES if name in os.environ}
 
 
-def _models(texts: list[str]) -> list[str]:
-    """Model arguments as paths: Hub repo ids resolved in the local Hub cache; what names
-    nothing is kept (the daemon refuses it at start-up, logged, and serves the others)."""
+def _models(texts: list[str]) -> list[tuple[str, str | None]]:
+    """Model arguments as paths, in order, each with its model's name: Hub repo ids
+    resolved in the local Hub cache (:mod:`weightcache.core.hub`), named after the repo id;
+    a path named by its folder (None); what names nothing is kept (the daemon refuses it at
+    start-up, logged, and serves the others)."""
     import structlog
 
-    from weightcache_service.hub import resolve_or_keep
+    from weightcache.core.hub import resolve_or_keep
 
     paths = []
     for text in texts:
-        path, why = resolve_or_keep(text)
+        path, name, why = resolve_or_keep(text)
         if why is not None:
             structlog.get_logger("weightcache.daemon").warning("not found", error=why)
-        paths.append(path)
+        paths.append((path, name))
     return paths
 
 

@@ -12,8 +12,11 @@ its own thread, and the cache's tables belong to the loop).
 | ``weightcache_memory_held_bytes`` | gauge | | bytes of arenas held |
 | ``weightcache_memory_unlinked_bytes`` | gauge | | bytes of revoked arenas still mapped (3) |
 | ``weightcache_unlinked_arenas`` | gauge | | such arenas |
-| ``weightcache_memory_budget_bytes`` | gauge | | the arena budget (absent when unlimited) |
+| ``weightcache_memory_budget_bytes`` | gauge | | the arena budget (``+Inf`` when unlimited) |
 | ``weightcache_leases_active`` | gauge | | live leases |
+| ``weightcache_model_state`` | gauge | ``model``, ``state`` | 1 for its state, 0 for others (4) |
+| ``weightcache_model_bytes`` | gauge | ``model`` | the model's arena size in bytes (0: none held) |
+| ``weightcache_model_leases`` | gauge | ``model`` | live leases on the model |
 | ``weightcache_ready`` | gauge | | 1 while readiness is SERVING, else 0 |
 | ``weightcache_acquires_total`` | counter | ``result``, ``reason`` | Acquire RPCs (1) |
 | ``weightcache_acquire_duration_seconds`` | histogram | | Acquire latency in the daemon |
@@ -34,11 +37,15 @@ a Preload RPC refused before its load began (missing or malformed checkpoint, re
 memory budget); ``reason`` the error's (empty for ``ready``).
 (3) Arenas revoked on shared memory: unlinked, but mapped by workers whose revoked leases
 have not ended yet; counted against the budget.
+(4) One series per model listed (``weightcache ls``: held, loading, FAILED) and state
+(loading, ready, failed, evicting); ``model`` is its name (a Hub repo id's ``org/name``
+for a model loaded from one). A model evicted leaves the exposition.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -80,6 +87,8 @@ class Snapshot:
     ready: bool
     unlinked: int = 0
     unlinked_arenas: int = 0
+    #: Per model listed: name, state, arena bytes, live leases.
+    models: tuple[tuple[str, str, int, int], ...] = ()
 
 
 class Metrics(CacheEvents):
@@ -195,6 +204,9 @@ class Metrics(CacheEvents):
                 unlinked=sum(arena.size_bytes for arena in unlinked),
                 unlinked_arenas=len(unlinked),
                 ready=self._ready(),
+                models=tuple(
+                    (m.name, m.state, m.size_bytes, m.lease_count) for m in self._cache.models()
+                ),
             )
 
         future = asyncio.run_coroutine_threadsafe(take(), self._loop)
@@ -230,11 +242,29 @@ class _Gauges(Collector):
             "Revoked arenas unlinked but still mapped by workers.",
             value=snap.unlinked_arenas,
         )
-        if snap.budget is not None:
-            yield GaugeMetricFamily(
-                "weightcache_memory_budget_bytes", "The arena budget.", value=snap.budget
-            )
+        yield GaugeMetricFamily(
+            "weightcache_memory_budget_bytes",
+            "The arena budget (+Inf: unlimited, no --max-memory).",
+            value=math.inf if snap.budget is None else snap.budget,
+        )
         yield GaugeMetricFamily("weightcache_leases_active", "Live leases.", value=snap.leases)
+        per_state = GaugeMetricFamily(
+            "weightcache_model_state",
+            "1 for each model's state (loading, ready, failed, evicting), 0 for the others.",
+            labels=["model", "state"],
+        )
+        size = GaugeMetricFamily(
+            "weightcache_model_bytes", "Each model's arena size.", labels=["model"]
+        )
+        leases = GaugeMetricFamily(
+            "weightcache_model_leases", "Live leases on each model.", labels=["model"]
+        )
+        for name, current, nbytes, count in snap.models:
+            for each in get_args(ModelState):
+                per_state.add_metric([name, each], int(each == current))
+            size.add_metric([name], nbytes)
+            leases.add_metric([name], count)
+        yield from (per_state, size, leases)
         yield GaugeMetricFamily(
             "weightcache_ready",
             "1 while readiness is SERVING (every required model READY, not draining), else 0.",

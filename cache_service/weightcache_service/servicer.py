@@ -106,11 +106,19 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         self, request: pb.PreloadRequest, context: Context
     ) -> AsyncIterator[pb.PreloadResponse]:
         try:
-            path = self.cache.remote_path(request.path)
+            name = None
+            if request.repo_id:  # the snapshot in this daemon's Hub cache, named by repo id
+                path, name = await asyncio.to_thread(
+                    self.cache.remote_hub_model, request.repo_id, request.revision
+                )
+            else:
+                path = self.cache.remote_path(request.path)
             recipe = recipe_from_pb(request.recipe, admit=self.cache.admit_plugin)
             placement = placement_from_pb(request.placement)
             level = level_from_pb(request.fingerprint_level)
-            entry, task = await self.cache.begin_load(path, recipe, placement, level, confine=True)
+            entry, task = await self.cache.begin_load(
+                path, recipe, placement, level, confine=True, name=name
+            )
             while not task.done():
                 yield _preload_response(entry)
                 await asyncio.wait([task], timeout=PROGRESS_INTERVAL)
@@ -270,7 +278,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
 
 def _subject(request: Any) -> dict[str, Any]:
     """What a request names, for a refusal's log line: a model's ``name`` or a ``path``."""
-    fields = {"name": "model", "path": "path"}
+    fields = {"name": "model", "path": "path", "repo_id": "repo_id", "revision": "revision"}
     return {
         key: clip(value)
         for field_name, key in fields.items()
