@@ -74,11 +74,12 @@ class CacheEvents:
     """What the cache reports as it happens (metrics listen, :mod:`.metrics`); this base
     ignores everything."""
 
-    def acquired(self, reason: str, seconds: float, probe: bool = False) -> None:
+    def acquired(self, reason: str, seconds: float, result: str = "") -> None:
         """An Acquire was answered in ``seconds``: ``reason`` empty when granted, else the
-        refusal's reason (``MODEL_NOT_FOUND``...); ``probe``: the refusal is the miss of an
-        Acquire by file identity, which the SDK follows with one by fingerprint (not a
-        fallback)."""
+        refusal's reason (``MODEL_NOT_FOUND``...); ``result``, for a refusal the worker
+        asks again after (not a fallback): ``probe_missed``, the miss of an Acquire by
+        file identity, which the SDK follows with one by fingerprint; ``waiting``, a
+        ``MODEL_LOADING`` the worker waits out (``asks_again_if_loading``)."""
 
     def loaded(self, entry: Entry) -> None:
         """A load ended (``entry.state`` says how)."""

@@ -29,9 +29,12 @@ its own thread, and the cache's tables belong to the loop).
 | ``process_*`` | | | prometheus-client's ``ProcessCollector``: RSS, CPU, start time, fds |
 
 (1) ``result`` ``granted`` (``reason`` empty), ``refused`` (``reason`` the error's: the
-worker falls back to disk, or raises), or ``probe_missed``: an Acquire by file identity
-that found no model loaded from those files (``MODEL_NOT_FOUND``), which the SDK follows
-with an Acquire by fingerprint (docs/protocol.md): not a fallback.
+worker falls back to disk, or raises), ``probe_missed``: an Acquire by file identity that
+found no model loaded from those files (``MODEL_NOT_FOUND``, ``FINGERPRINT_MISMATCH``),
+which the SDK follows with an Acquire by fingerprint (docs/protocol.md), or ``waiting``: a
+``MODEL_LOADING`` refusal of an Acquire that says it asks again
+(``AcquireRequest.asks_again_if_loading``: the SDK before its ``wait_timeout``). Neither
+of the last two is a fallback: one load counts at most one ``granted`` or one ``refused``.
 (2) ``result``: loads ended ``ready`` or ``failed``, or ``refused``: a start-up model or
 a Preload RPC refused before its load began (missing or malformed checkpoint, recipe,
 memory budget); ``reason`` the error's (empty for ``ready``).
@@ -112,7 +115,8 @@ class Metrics(CacheEvents):
         self._ready = ready
         self.acquires = Counter(
             "weightcache_acquires",
-            "Acquire RPCs by result (granted, refused) and refusal reason.",
+            "Acquire RPCs by result (granted; refused: the worker falls back; probe_missed, "
+            "waiting: it asks again) and refusal reason.",
             ["result", "reason"],
             registry=self.registry,
         )
@@ -152,10 +156,11 @@ class Metrics(CacheEvents):
 
     # -- CacheEvents -------------------------------------------------------------------
 
-    def acquired(self, reason: str, seconds: float, probe: bool = False) -> None:
+    def acquired(self, reason: str, seconds: float, result: str = "") -> None:
         """Count an Acquire: ``reason`` empty when granted, else the refusal's reason;
-        the miss of an Acquire by file identity (``probe``) as ``probe_missed``."""
-        result = "granted" if not reason else "probe_missed" if probe else "refused"
+        ``result`` ``probe_missed`` or ``waiting`` for a refusal the worker asks again
+        after (:meth:`CacheEvents.acquired`), else ``refused``."""
+        result = "granted" if not reason else result or "refused"
         self.acquires.labels(result, reason).inc()
         self.acquire_seconds.observe(seconds)
 

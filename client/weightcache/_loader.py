@@ -779,6 +779,9 @@ def _acquire_with_wait(
     deadline = time.monotonic() + wait_timeout
     logged = False
     while True:
+        # The daemon counts a MODEL_LOADING this attempt will wait out as "waiting", not
+        # as a refusal (weightcache_acquires_total): false for the last attempt.
+        request.asks_again_if_loading = time.monotonic() + RETRY_INTERVAL <= deadline
         try:
             return _acquire_once(socket, request)
         except (ModelLoadingError, DaemonUnavailableError) as err:
