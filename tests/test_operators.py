@@ -419,7 +419,7 @@ def _exported_names(port: int) -> set[str]:
 
 
 def _named(expr: str) -> set[str]:
-    return set(re.findall(r"\b(weightcache_[a-z_]+|up)\b", expr))
+    return set(re.findall(r"\b(weightcache_[a-z_]+|process_[a-z_]+|up)\b", expr))
 
 
 def test_the_dashboard_and_alerts_name_only_exported_metrics(daemons: DaemonPool) -> None:
@@ -439,10 +439,50 @@ def test_the_dashboard_and_alerts_name_only_exported_metrics(daemons: DaemonPool
     assert [p["id"] for p in dashboard["panels"]] == list(range(1, len(dashboard["panels"]) + 1))
 
 
+#: Where `make promtool` unpacks Debian's promtool (not installed).
+PROMTOOL = MONITORING.parent.parent / ".build" / "prometheus" / "usr" / "bin" / "promtool"
+
+
+def test_per_model_series_name_each_model_its_state_bytes_and_leases(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    port = free_port()
+    missing = tmp_path / "mising-model"
+    daemon = daemons.start(
+        [checkpoints.single, missing], args=["--metrics-listen", f"127.0.0.1:{port}"]
+    )
+    assert_attached(workers.start().load(checkpoints.single, socket=daemon.socket))
+    size = {m.name: m.size_bytes for m in list_models(daemon.socket)}
+
+    samples = scrape(port)
+
+    per_model = {k: v for k, v in samples.items() if k[0].startswith("weightcache_model_")}
+    states = ("evicting", "failed", "loading", "ready")
+    assert per_model == {
+        **{
+            ("weightcache_model_state", (("model", "single"), ("state", s))): float(s == "ready")
+            for s in states
+        },
+        **{
+            ("weightcache_model_state", (("model", "mising-model"), ("state", s))): float(
+                s == "failed"
+            )
+            for s in states
+        },
+        ("weightcache_model_bytes", (("model", "single"),)): size["single"],
+        ("weightcache_model_bytes", (("model", "mising-model"),)): 0.0,
+        ("weightcache_model_leases", (("model", "single"),)): 1.0,
+        ("weightcache_model_leases", (("model", "mising-model"),)): 0.0,
+    }
+    assert size["single"] > 0
+    assert samples["weightcache_memory_budget_bytes", ()] == float("inf")  # no --max-memory
+    assert samples["process_resident_memory_bytes", ()] > 0
+
+
 def test_the_alert_rules_pass_promtool() -> None:
-    promtool = shutil.which("promtool")
+    promtool = str(PROMTOOL) if PROMTOOL.is_file() else shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+        pytest.skip("no promtool: `make promtool` (part of `make test`) fetches Debian's")
 
     result = subprocess.run(
         [promtool, "check", "rules", str(MONITORING / "weightcache-alerts.yml")],
