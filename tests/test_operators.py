@@ -458,7 +458,7 @@ def test_per_model_series_name_each_model_its_state_bytes_and_leases(
 
     per_model = {k: v for k, v in samples.items() if k[0].startswith("weightcache_model_")}
     states = ("evicting", "failed", "loading", "ready")
-    assert per_model == {
+    expected: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {
         **{
             ("weightcache_model_state", (("model", "single"), ("state", s))): float(s == "ready")
             for s in states
@@ -474,6 +474,7 @@ def test_per_model_series_name_each_model_its_state_bytes_and_leases(
         ("weightcache_model_leases", (("model", "single"),)): 1.0,
         ("weightcache_model_leases", (("model", "mising-model"),)): 0.0,
     }
+    assert per_model == expected
     assert size["single"] > 0
     assert samples["weightcache_memory_budget_bytes", ()] == float("inf")  # no --max-memory
     assert samples["process_resident_memory_bytes", ()] > 0
