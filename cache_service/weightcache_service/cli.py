@@ -196,8 +196,12 @@ def _parser() -> argparse.ArgumentParser:
         "--group", default=None, help="group allowed to connect (folder 0750, socket 0660)"
     )
     daemon.add_argument("--listen", default=None, metavar="HOST:PORT", help="also serve TCP")
-    daemon.add_argument("--tls-cert", default=None, metavar="PEM")
-    daemon.add_argument("--tls-key", default=None, metavar="PEM")
+    daemon.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="server certificate for --listen"
+    )
+    daemon.add_argument(
+        "--tls-key", default=None, metavar="PEM", help="its private key, for --listen"
+    )
     daemon.add_argument("--tls-client-ca", default=None, metavar="PEM", help="mutual TLS")
     daemon.add_argument(
         "--tls-client-subject",
@@ -250,7 +254,9 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("model", metavar="PATH|REPO_ID")
     load.add_argument("--revision", default=None, help="Hub branch, tag or commit (default main)")
     load.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32, F64")
-    load.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    load.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="warning", help="lowest level logged"
+    )
     _client_arguments(load, timeout=None)
     health = sub.add_parser("health", help="exit 0 when ready (or, --liveness, alive)")
     probe = health.add_mutually_exclusive_group()
@@ -272,7 +278,11 @@ def _parser() -> argparse.ArgumentParser:
     _client_arguments(health)
     evict = sub.add_parser("evict", help="drop a model")
     evict.add_argument("name")
-    evict.add_argument("--force", action="store_true")
+    evict.add_argument(
+        "--force",
+        action="store_true",
+        help="revoke live leases (holders get REVOKING, then the model is dropped)",
+    )
     _client_arguments(evict)
     gc = sub.add_parser("gc", help="remove the shared-memory segments of dead daemons")
     gc.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
