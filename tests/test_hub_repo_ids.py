@@ -137,8 +137,13 @@ def test_a_revision_asked_for_is_in_the_name(daemons: DaemonPool, cache: Hub) ->
 def test_load_sends_the_repo_id_for_the_daemon_to_resolve(
     daemons: DaemonPool, cache: Hub, tmp_path: Path
 ) -> None:
+    port = free_port()
     daemon = daemons.start(
-        args=["--allow-remote-preload", "--model-root", str(cache.root)], env=cache.env
+        args=[
+            *("--allow-remote-preload", "--model-root", str(cache.root)),
+            *("--metrics-listen", f"127.0.0.1:{port}"),
+        ],
+        env=cache.env,
     )
     # This command's Hub cache is empty: the daemon's own holds the repo.
     empty = tmp_path / "empty-hub"
@@ -163,6 +168,11 @@ def test_load_sends_the_repo_id_for_the_daemon_to_resolve(
         "",
         f"weightcache load: INVALID_CHECKPOINT: {ABSENT}\n",
     )
+    preloads = {k[1]: v for k, v in scrape(port).items() if k[0] == "weightcache_preloads_total"}
+    assert preloads == {
+        (("reason", ""), ("result", "ready")): 1.0,
+        (("reason", "INVALID_CHECKPOINT"), ("result", "refused")): 1.0,
+    }
 
 
 def test_a_repo_id_outside_the_model_roots_is_refused(

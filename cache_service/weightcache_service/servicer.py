@@ -112,16 +112,21 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         self, request: pb.PreloadRequest, context: Context
     ) -> AsyncIterator[pb.PreloadResponse]:
         try:
-            name = None
-            if request.repo_id:  # the snapshot in this daemon's Hub cache, named by repo id
-                path, name = await asyncio.to_thread(
-                    self.cache.remote_hub_model, request.repo_id, request.revision
-                )
-            else:
-                path = self.cache.remote_path(request.path)
-            recipe = recipe_from_pb(request.recipe, admit=self.cache.admit_plugin)
-            placement = placement_from_pb(request.placement)
-            level = level_from_pb(request.fingerprint_level)
+            try:
+                name = None
+                if request.repo_id:  # the snapshot in this daemon's Hub cache, by repo id
+                    path, name = await asyncio.to_thread(
+                        self.cache.remote_hub_model, request.repo_id, request.revision
+                    )
+                else:
+                    path = self.cache.remote_path(request.path)
+                recipe = recipe_from_pb(request.recipe, admit=self.cache.admit_plugin)
+                placement = placement_from_pb(request.placement)
+                level = level_from_pb(request.fingerprint_level)
+            except WeightCacheError as err:
+                # Refused before the cache saw it (begin_load counts its own refusals).
+                self.cache.events.preload_refused(err.reason)
+                raise
             entry, task = await self.cache.begin_load(
                 path, recipe, placement, level, confine=True, name=name
             )
