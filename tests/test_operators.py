@@ -9,8 +9,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket as socketlib
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -567,3 +569,40 @@ def test_a_copy_attached_counts_a_probe_miss_not_a_refusal(
             (("reason", "MODEL_NOT_FOUND"), ("result", "probe_missed")),
         ): 1.0,
     }
+
+
+#: The default worker, with the standard logging configured to show each record's level.
+LEVELLED_WORKER = (
+    sys.executable,
+    "-c",
+    "import logging, runpy; "
+    "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s'); "
+    "runpy.run_module('weightcache.testing.worker', run_name='__main__')",
+)
+
+
+def test_a_lease_lost_on_shared_memory_under_ignore_is_a_warning(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """On CPU (policy ``ignore``) a lost lease loses nothing the worker reads: logged at
+    WARNING, not ERROR. The daemon is stopped (SIGSTOP) past the lease's validity, then
+    resumed."""
+    daemon = daemons.start([checkpoints.single])
+    pool = WorkerPool(tmp_path, command=LEVELLED_WORKER)
+    try:
+        worker = pool.start()
+        assert_attached(worker.load(checkpoints.single, socket=daemon.socket, ttl=1.0))
+        assert worker.request("wait_ack", key="w", seconds=10.0)["ok"]
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            lost = worker.request("wait_lost", key="w", seconds=20.0)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+    finally:
+        pool.close()
+
+    assert (lost["fired"], lost["tensors_error"]) == (True, None)
+    lines = [line for line in worker.log().splitlines() if "lease lost" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("WARNING lease lost lease=")
+    assert lines[0].endswith(" policy='ignore'")
