@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup native protos check-protos released-contract lint test test-node node-deps demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm
+.PHONY: setup native protos check-protos released-contract lint test test-node node-deps demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm promtool
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -116,8 +116,25 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json | node-dep
 test-node: $(STAMP) node-deps $(NODE_STAMP)
 	cd $(NODE_DIR) && WEIGHTCACHE_PYTHON=$(abspath $(PY)) node --test test/*.test.mjs
 
-test: $(STAMP) cpp native check-protos lint test-node
+test: $(STAMP) cpp native check-protos lint test-node promtool
 	$(PY) -m pytest
+
+# promtool, for tests/test_operators.py's `promtool check rules` on
+# deploy/monitoring/weightcache-alerts.yml: the binary of Debian's `prometheus` package,
+# downloaded (`apt-get download`, no root needed) and unpacked into .build/ with
+# `dpkg-deb -x`, never installed (no Prometheus service, no user, nothing in /usr). Where
+# there is no apt-get, or the download fails (offline), it says so and the test skips.
+PROMTOOL := .build/prometheus/usr/bin/promtool
+$(PROMTOOL):
+	@if ! command -v apt-get >/dev/null || ! command -v dpkg-deb >/dev/null; then \
+		echo "promtool: no apt-get/dpkg-deb here: the promtool test skips"; \
+	else rm -rf .build/prometheus-deb && mkdir -p .build/prometheus-deb \
+		&& (cd .build/prometheus-deb && apt-get download prometheus) \
+		&& dpkg-deb -x .build/prometheus-deb/prometheus_*.deb .build/prometheus \
+		&& rm -rf .build/prometheus-deb && $@ --version \
+		|| echo "promtool: Debian's prometheus package could not be fetched: the promtool test skips"; fi
+
+promtool: $(PROMTOOL)
 
 demo: $(STAMP) native
 	$(PY) demo/demo.py

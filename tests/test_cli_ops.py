@@ -5,12 +5,14 @@ Hub cache, ``ls``'s progress column."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 from google.protobuf import json_format
 
+from tests.fault_support import write_big_checkpoint
 from tests.recipe_support import write_hub_repo
 from tests.support import (
     Checkpoints,
@@ -20,14 +22,18 @@ from tests.support import (
     get_model,
     run_cli,
     service_stub,
+    wait_until,
 )
 from weightcache.core.version import __version__
 from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.admin import EXIT_INTERRUPTED
 from weightcache_service.admin import progress as _progress
+from weightcache_service.budget import cpu_available_bytes
 
 REPO_ID = "acme/tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+LOADING, READY = pb.MODEL_STATE_LOADING, pb.MODEL_STATE_READY
 
 
 def _cli_env(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -160,3 +166,54 @@ def test_log_level_filters_the_daemons_lines(daemons: DaemonPool, checkpoints: C
     assert "listening" not in quiet.log()
     assert "listening" in chatty.log()
     assert [m.state for m in list_models(quiet.socket)] == [pb.MODEL_STATE_READY]
+
+
+def test_every_option_of_every_subcommand_has_help() -> None:
+    import argparse
+
+    from weightcache_service.cli import _parser
+
+    [sub] = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [
+        f"{command} {action.option_strings[0]}"
+        for command, parser in sub.choices.items()
+        for action in parser._actions
+        if action.option_strings and not action.help
+    ]
+    shown = _cli_env("preload", "--help", env={"COLUMNS": "1000"})
+
+    assert missing == []
+    assert shown.returncode == 0
+    assert (
+        "  --fingerprint-level {layout,sampled,full}\n"
+        "                        how much content the identity covers: full (sha256 of every "
+        "byte), sampled, layout; workers must load at the same level (default full)\n"
+    ) in shown.stdout
+    assert (
+        "  --log-format {console,json}\n"
+        "                        log lines on stderr: console (aligned text) or json (one "
+        "object a line)\n"
+    ) in shown.stdout
+
+
+def test_ctrl_c_on_load_says_the_daemon_goes_on(daemons: DaemonPool, tmp_path: Path) -> None:
+    """SIGINT while ``weightcache load`` follows a load: no traceback, exit 130, a line
+    saying the daemon goes on, which it does (the model turns READY)."""
+    if cpu_available_bytes() < 4 * 2**30:
+        pytest.skip("needs 4 GiB of available memory and /dev/shm for a 336 MiB checkpoint")
+    root = tmp_path / "root"
+    write_big_checkpoint(root / "big", tensors=20, tensor_mib=16, largest_mib=32)
+    daemon = daemons.start(args=["--allow-remote-preload", "--model-root", str(root)])
+    command = [*cli_command(), "load", str(root / "big"), "--socket", daemon.socket]
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=child_env()) as load:
+        wait_until(lambda: [m.state for m in list_models(daemon.socket)] == [LOADING], 120, 0.005)
+        load.send_signal(signal.SIGINT)
+        _, stderr = load.communicate(timeout=60)
+
+    assert load.returncode == EXIT_INTERRUPTED
+    assert "Traceback" not in stderr
+    assert stderr.endswith(
+        "weightcache load: interrupted; the daemon goes on loading the model (`weightcache ls` "
+        "shows its progress, `weightcache evict NAME` drops it once loaded)\n"
+    )
+    wait_until(lambda: [m.state for m in list_models(daemon.socket)] == [READY], 120)

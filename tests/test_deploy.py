@@ -6,7 +6,9 @@ against the daemon's own."""
 from __future__ import annotations
 
 import copy
+import fnmatch
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,6 +153,39 @@ def test_worker_pod_reaches_the_daemons_socket_and_segments() -> None:
     assert (host_paths["shm"], mounts["shm"]) == ("/dev/shm", "/dev/shm")
 
 
+def test_a_gpu_worker_shares_the_daemons_gpu_by_time_slicing() -> None:
+    """The GPU daemon takes one ``nvidia.com/gpu``; time-slicing (the NVIDIA device
+    plugin's config, version v1) makes each GPU several, of which the GPU worker takes
+    one on the same nodes, in the host's IPC namespace as the daemon (CUDA IPC)."""
+    [daemonset] = _documents(KUBE / "daemonset-cuda.yaml")
+    [worker] = _documents(KUBE / "worker-pod-cuda.yaml")
+    [config_map] = _documents(KUBE / "gpu-time-slicing.yaml")
+    daemon_pod = daemonset["spec"]["template"]["spec"]
+    [daemon] = daemon_pod["containers"]
+    [container] = worker["spec"]["containers"]
+    [plugin_config] = config_map["data"].values()
+    sharing = yaml.safe_load(plugin_config)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    volumes = {v["name"]: v.get("hostPath", {}) for v in worker["spec"]["volumes"]}
+
+    assert sharing["version"] == "v1"
+    [replicated] = sharing["sharing"]["timeSlicing"]["resources"]
+    assert (replicated["name"], replicated["replicas"]) == ("nvidia.com/gpu", 8)
+    assert sharing["sharing"]["timeSlicing"]["renameByDefault"] is False
+    assert daemon["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert daemon_pod["hostIPC"] is worker["spec"]["hostIPC"] is True
+    assert worker["spec"]["nodeSelector"] == daemon_pod["nodeSelector"]
+    assert "--device=cuda:0" in daemon["args"]
+    assert 'device="cuda:0"' in container["args"][0]
+    assert env["WEIGHTCACHE_RUNTIME_DIR"] == "/run/weightcache"
+    assert env["WEIGHTCACHE_TRUSTED_UID"] == str(daemon_pod["securityContext"]["runAsUser"])
+    assert volumes["weightcache-sockets"] == {
+        "path": "/run/weightcache",
+        "type": "DirectoryOrCreate",
+    }
+
+
 def _hadolint() -> str:
     found = Path(sys.executable).with_name("hadolint")
     return str(found) if found.exists() else (shutil.which("hadolint") or "hadolint")
@@ -184,6 +219,54 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "DL3007" in result.stdout  # :latest
     assert "DL3013" in result.stdout  # unpinned pip
+
+
+def _in_context(rel: str) -> bool:
+    """Whether ``.dockerignore`` lets the repository path ``rel`` into the build context
+    (Docker's rules: the last pattern that matches the path or a folder above it wins)."""
+    lines = (DEPLOY.parent / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    included = True
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        glob = pattern.removeprefix("!").rstrip("/")
+        names = [glob, glob.removeprefix("**/")] if glob.startswith("**/") else [glob]
+        matched = any(
+            fnmatch.fnmatchcase(p, name) or fnmatch.fnmatchcase(p.rsplit("/", 1)[-1], name)
+            if name != glob
+            else fnmatch.fnmatchcase(p, name)
+            for p in prefixes
+            for name in names
+        )
+        if matched:
+            included = negated
+    return included
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_image_build_has_the_protos_the_wheel_links_to(dockerfile: Path) -> None:
+    """``weightcache.proto_path()`` works in the image: the wheel follows
+    ``client/weightcache/protos``'s symlinks, whose targets (``protos/...``) must be in
+    the build context and copied where the links point, beside ``client/``."""
+    root = DEPLOY.parent
+    links = sorted((root / "client" / "weightcache" / "protos").iterdir())
+    targets = [str(link.resolve().relative_to(root)) for link in links]
+    build_stage = dockerfile.read_text().split("\nFROM ")[1]  # the first FROM: the build
+    copied = dict(re.findall(r"^COPY (\S+) (\S+)$", build_stage, re.MULTILINE))
+
+    assert all(link.is_symlink() for link in links)
+    assert targets == ["protos/google", "protos/weightcache"]
+    assert copied["client"] == "./client"
+    assert copied["protos"] == "./protos"  # the same place relative to client/
+    proto = "protos/weightcache/v1/weight_cache_service.proto"
+    assert [_in_context(p) for p in (proto, "protos/google/rpc/status.proto")] == [True, True]
+    assert [_in_context(p) for p in ("client/weightcache/core/hub.py", "tests/support.py")] == [
+        True,
+        False,
+    ]
+    assert not _in_context("client/weightcache/__pycache__/x.pyc")
 
 
 def test_images_build_when_a_container_engine_is_there() -> None:

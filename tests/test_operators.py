@@ -9,8 +9,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket as socketlib
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -419,12 +421,12 @@ def _exported_names(port: int) -> set[str]:
 
 
 def _named(expr: str) -> set[str]:
-    return set(re.findall(r"\b(weightcache_[a-z_]+|up)\b", expr))
+    return set(re.findall(r"\b(weightcache_[a-z_]+|process_[a-z_]+|up)\b", expr))
 
 
 def test_the_dashboard_and_alerts_name_only_exported_metrics(daemons: DaemonPool) -> None:
     port = free_port()
-    # With a budget: weightcache_memory_budget_bytes is absent when there is none.
+    # With a budget (without one, weightcache_memory_budget_bytes is +Inf).
     daemons.start(args=["--metrics-listen", f"127.0.0.1:{port}", "--max-memory", "1GiB"])
     dashboard = json.loads((MONITORING / "weightcache-dashboard.json").read_text())
     rules = yaml.safe_load((MONITORING / "weightcache-alerts.yml").read_text())
@@ -439,10 +441,51 @@ def test_the_dashboard_and_alerts_name_only_exported_metrics(daemons: DaemonPool
     assert [p["id"] for p in dashboard["panels"]] == list(range(1, len(dashboard["panels"]) + 1))
 
 
+#: Where `make promtool` unpacks Debian's promtool (not installed).
+PROMTOOL = MONITORING.parent.parent / ".build" / "prometheus" / "usr" / "bin" / "promtool"
+
+
+def test_per_model_series_name_each_model_its_state_bytes_and_leases(
+    daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    port = free_port()
+    missing = tmp_path / "mising-model"
+    daemon = daemons.start(
+        [checkpoints.single, missing], args=["--metrics-listen", f"127.0.0.1:{port}"]
+    )
+    assert_attached(workers.start().load(checkpoints.single, socket=daemon.socket))
+    size = {m.name: m.size_bytes for m in list_models(daemon.socket)}
+
+    samples = scrape(port)
+
+    per_model = {k: v for k, v in samples.items() if k[0].startswith("weightcache_model_")}
+    states = ("evicting", "failed", "loading", "ready")
+    expected: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {
+        **{
+            ("weightcache_model_state", (("model", "single"), ("state", s))): float(s == "ready")
+            for s in states
+        },
+        **{
+            ("weightcache_model_state", (("model", "mising-model"), ("state", s))): float(
+                s == "failed"
+            )
+            for s in states
+        },
+        ("weightcache_model_bytes", (("model", "single"),)): size["single"],
+        ("weightcache_model_bytes", (("model", "mising-model"),)): 0.0,
+        ("weightcache_model_leases", (("model", "single"),)): 1.0,
+        ("weightcache_model_leases", (("model", "mising-model"),)): 0.0,
+    }
+    assert per_model == expected
+    assert size["single"] > 0
+    assert samples["weightcache_memory_budget_bytes", ()] == float("inf")  # no --max-memory
+    assert samples["process_resident_memory_bytes", ()] > 0
+
+
 def test_the_alert_rules_pass_promtool() -> None:
-    promtool = shutil.which("promtool")
+    promtool = str(PROMTOOL) if PROMTOOL.is_file() else shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+        pytest.skip("no promtool: `make promtool` (part of `make test`) fetches Debian's")
 
     result = subprocess.run(
         [promtool, "check", "rules", str(MONITORING / "weightcache-alerts.yml")],
@@ -526,3 +569,40 @@ def test_a_copy_attached_counts_a_probe_miss_not_a_refusal(
             (("reason", "MODEL_NOT_FOUND"), ("result", "probe_missed")),
         ): 1.0,
     }
+
+
+#: The default worker, with the standard logging configured to show each record's level.
+LEVELLED_WORKER = (
+    sys.executable,
+    "-c",
+    "import logging, runpy; "
+    "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s'); "
+    "runpy.run_module('weightcache.testing.worker', run_name='__main__')",
+)
+
+
+def test_a_lease_lost_on_shared_memory_under_ignore_is_a_warning(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    """On CPU (policy ``ignore``) a lost lease loses nothing the worker reads: logged at
+    WARNING, not ERROR. The daemon is stopped (SIGSTOP) past the lease's validity, then
+    resumed."""
+    daemon = daemons.start([checkpoints.single])
+    pool = WorkerPool(tmp_path, command=LEVELLED_WORKER)
+    try:
+        worker = pool.start()
+        assert_attached(worker.load(checkpoints.single, socket=daemon.socket, ttl=1.0))
+        assert worker.request("wait_ack", key="w", seconds=10.0)["ok"]
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            lost = worker.request("wait_lost", key="w", seconds=20.0)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+    finally:
+        pool.close()
+
+    assert (lost["fired"], lost["tensors_error"]) == (True, None)
+    lines = [line for line in worker.log().splitlines() if "lease lost" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("WARNING lease lost lease=")
+    assert lines[0].endswith(" policy='ignore'")

@@ -19,11 +19,13 @@ from pathlib import Path
 import structlog
 import torch
 
+from weightcache.core import hub
 from weightcache.core.checkpoint import Checkpoint, open_checkpoint
 from weightcache.core.errors import (
     DrainingError,
     FingerprintMismatchError,
     InvalidArgumentError,
+    InvalidCheckpointError,
     LeasesActiveError,
     ModelExistsError,
     ModelFailedError,
@@ -72,11 +74,12 @@ class CacheEvents:
     """What the cache reports as it happens (metrics listen, :mod:`.metrics`); this base
     ignores everything."""
 
-    def acquired(self, reason: str, seconds: float, probe: bool = False) -> None:
+    def acquired(self, reason: str, seconds: float, result: str = "") -> None:
         """An Acquire was answered in ``seconds``: ``reason`` empty when granted, else the
-        refusal's reason (``MODEL_NOT_FOUND``...); ``probe``: the refusal is the miss of an
-        Acquire by file identity, which the SDK follows with one by fingerprint (not a
-        fallback)."""
+        refusal's reason (``MODEL_NOT_FOUND``...); ``result``, for a refusal the worker
+        asks again after (not a fallback): ``probe_missed``, the miss of an Acquire by
+        file identity, which the SDK follows with one by fingerprint; ``waiting``, a
+        ``MODEL_LOADING`` the worker waits out (``asks_again_if_loading``)."""
 
     def loaded(self, entry: Entry) -> None:
         """A load ended (``entry.state`` says how)."""
@@ -164,6 +167,7 @@ class WeightCache:
         level: Level,
         *,
         confine: bool = False,
+        name: str | None = None,
     ) -> tuple[Entry, asyncio.Task[None]]:
         """Validate and fingerprint a checkpoint (off the event loop), then start loading it.
 
@@ -176,6 +180,8 @@ class WeightCache:
 
         Args:
             confine: every file read must resolve inside a model root (remote Preload).
+            name: the model's name before its suffixes (a Hub repo id's), None for the
+                checkpoint folder's basename.
 
         Raises:
             InvalidCheckpointError: the checkpoint is malformed.
@@ -187,7 +193,7 @@ class WeightCache:
         """
 
         try:
-            return await self._begin_load(path, recipe, placement, level, confine)
+            return await self._begin_load(path, recipe, placement, level, confine, name)
         except ModelExistsError:
             raise  # nothing to load: not a refusal
         except WeightCacheError as err:
@@ -197,8 +203,14 @@ class WeightCache:
             self.events.preload_refused(ModelFailedError.reason)
             raise
 
-    async def _begin_load(
-        self, path: str, recipe: Recipe, placement: Placement, level: Level, confine: bool
+    async def _begin_load(  # noqa: PLR0917 (begin_load's arguments, passed on)
+        self,
+        path: str,
+        recipe: Recipe,
+        placement: Placement,
+        level: Level,
+        confine: bool,
+        name: str | None,
     ) -> tuple[Entry, asyncio.Task[None]]:
         def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
             # Confinement is checked on each file as opened: a path checked before the
@@ -224,7 +236,13 @@ class WeightCache:
         try:
             try:
                 entry = self.store.add(
-                    checkpoint, recipe, placement, pipeline, fp, unlinked=self.unlinked_bytes()
+                    checkpoint,
+                    recipe,
+                    placement,
+                    pipeline,
+                    fp,
+                    unlinked=self.unlinked_bytes(),
+                    name=name,
                 )
             except ResourceExhaustedError:
                 if not fp.pending:
@@ -239,7 +257,13 @@ class WeightCache:
                 for other in self.store.loading_as(fp):
                     await asyncio.to_thread(other.finished.wait)
                 entry = self.store.add(
-                    checkpoint, recipe, placement, pipeline, fp, unlinked=self.unlinked_bytes()
+                    checkpoint,
+                    recipe,
+                    placement,
+                    pipeline,
+                    fp,
+                    unlinked=self.unlinked_bytes(),
+                    name=name,
                 )
         except BaseException:
             checkpoint.close()
@@ -278,16 +302,24 @@ class WeightCache:
             log.error("load failed", model=entry.name, error=entry.error)
 
     def refuse(
-        self, path: str, recipe: Recipe, placement: Placement, level: Level, err: Exception
+        self,
+        path: str,
+        recipe: Recipe,
+        placement: Placement,
+        level: Level,
+        err: Exception,
+        *,
+        name: str | None = None,
     ) -> Refusal:
         """Keep a start-up model refused before it held anything, listed FAILED with
-        ``err`` (anything but a :class:`WeightCacheError` is kept as MODEL_FAILED)."""
+        ``err`` (anything but a :class:`WeightCacheError` is kept as MODEL_FAILED), named
+        ``name`` (None: the path's basename) with its suffixes."""
         failure = (
             err
             if isinstance(err, WeightCacheError)
             else ModelFailedError(f"{type(err).__name__}: {err}")
         )
-        return self.store.refuse(path, recipe, placement, level, failure)
+        return self.store.refuse(path, recipe, placement, level, failure, name=name)
 
     async def wait_loads(self) -> None:
         """Wait for every load in progress to end (at shutdown)."""
@@ -418,11 +450,7 @@ class WeightCache:
             InvalidArgumentError: the path is over :data:`MAX_PATH_CHARS` characters, empty,
                 or holds NUL (``field=path``).
         """
-        if not self.options.allow_remote_preload:
-            raise PermissionDeniedError(
-                "remote Preload is disabled; start the daemon with --allow-remote-preload "
-                "and --model-root"
-            )
+        self._check_remote_preload()
         check_len("path", path, MAX_PATH_CHARS)
         if not path or "\0" in path:
             raise InvalidArgumentError("path is empty or holds NUL", metadata={"field": "path"})
@@ -434,6 +462,38 @@ class WeightCache:
             f"{clip(path)} resolves to {clip(str(real))}, outside every --model-root",
             metadata={"path": clip(str(real))},
         )
+
+    def _check_remote_preload(self) -> None:
+        if not self.options.allow_remote_preload:
+            raise PermissionDeniedError(
+                "remote Preload is disabled; start the daemon with --allow-remote-preload "
+                "and --model-root"
+            )
+
+    def remote_hub_model(self, repo_id: str, revision: str) -> tuple[str, str]:
+        """The realpath and model name of a remote Preload's Hub repo id: its snapshot in
+        this daemon's local Hub cache (:func:`weightcache.core.hub.find`, never
+        downloaded), which must lie inside a ``--model-root`` (:meth:`remote_path`).
+
+        Raises:
+            PermissionDeniedError: remote Preload is disabled, or the snapshot resolves
+                outside every ``--model-root``.
+            InvalidArgumentError: ``repo_id`` or ``revision`` is over
+                :data:`MAX_PATH_CHARS` characters, or ``repo_id`` holds ``@`` or NUL.
+            InvalidCheckpointError: no such repo or revision in the local Hub cache.
+        """
+        self._check_remote_preload()  # before the Hub cache is looked at
+        for field_name, value in (("repo_id", repo_id), ("revision", revision)):
+            check_len(field_name, value, MAX_PATH_CHARS)
+        if "@" in repo_id or "\0" in repo_id + revision:
+            raise InvalidArgumentError(
+                "repo_id holds '@' or NUL (the revision goes in the revision field)",
+                metadata={"field": "repo_id"},
+            )
+        found = hub.find(repo_id, revision or None) if not os.path.isabs(repo_id) else None
+        if found is None:
+            raise InvalidCheckpointError(f"{clip(repo_id)}: not a Hub repo id (org/name)")
+        return self.remote_path(found.path), found.name
 
     def admit_plugin(self, name: str) -> None:
         """Refuse a recipe plugin the operator did not allow for remote Preload.

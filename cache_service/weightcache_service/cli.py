@@ -4,7 +4,8 @@ Subcommands:
 
 - ``preload MODEL_DIR... [--socket PATH] [--dtype D]``: run the daemon in the foreground,
   loading each checkpoint at start. A MODEL_DIR that does not exist may be a Hub repo id
-  (``org/name`` or ``org/name@REVISION``) in the local Hub cache (:mod:`.hub`). Stops
+  (``org/name`` or ``org/name@REVISION``) in the local Hub cache
+  (:mod:`weightcache.core.hub`). Stops
   cleanly on SIGTERM or SIGINT. ``--require``, ``--health-listen`` and
   ``--metrics-listen``: see :mod:`weightcache_service.health` and :mod:`.metrics`.
 - ``ls [--json]``: the models held, their state, load progress, bytes and leases; below,
@@ -195,8 +196,12 @@ def _parser() -> argparse.ArgumentParser:
         "--group", default=None, help="group allowed to connect (folder 0750, socket 0660)"
     )
     daemon.add_argument("--listen", default=None, metavar="HOST:PORT", help="also serve TCP")
-    daemon.add_argument("--tls-cert", default=None, metavar="PEM")
-    daemon.add_argument("--tls-key", default=None, metavar="PEM")
+    daemon.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="server certificate for --listen"
+    )
+    daemon.add_argument(
+        "--tls-key", default=None, metavar="PEM", help="its private key, for --listen"
+    )
     daemon.add_argument("--tls-client-ca", default=None, metavar="PEM", help="mutual TLS")
     daemon.add_argument(
         "--tls-client-subject",
@@ -249,7 +254,9 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("model", metavar="PATH|REPO_ID")
     load.add_argument("--revision", default=None, help="Hub branch, tag or commit (default main)")
     load.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32, F64")
-    load.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    load.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="warning", help="lowest level logged"
+    )
     _client_arguments(load, timeout=None)
     health = sub.add_parser("health", help="exit 0 when ready (or, --liveness, alive)")
     probe = health.add_mutually_exclusive_group()
@@ -271,7 +278,11 @@ def _parser() -> argparse.ArgumentParser:
     _client_arguments(health)
     evict = sub.add_parser("evict", help="drop a model")
     evict.add_argument("name")
-    evict.add_argument("--force", action="store_true")
+    evict.add_argument(
+        "--force",
+        action="store_true",
+        help="revoke live leases (holders get REVOKING, then the model is dropped)",
+    )
     _client_arguments(evict)
     gc = sub.add_parser("gc", help="remove the shared-memory segments of dead daemons")
     gc.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
@@ -397,17 +408,25 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
             plugins=tuple(PluginStep.parse(text) for text in args.recipe),
         )
         ranks = parse_ranks(args.tp_rank, args.tp_size)
-        models = _models(args.models)
+        named = _models(args.models)
+        models = [path for path, _ in named]
         required = required_paths(
-            models, [r if r == "none" else _models([r])[0] for r in args.require]
+            models, [r if r == "none" else _models([r])[0][0] for r in args.require]
         )
         device = resolve_device(args.device)  # once: it names the socket and the backend
         config = DaemonConfig(
             socket=daemon_socket(args, device),
             device=device,
             preload=[
-                PreloadSpec(path, recipe, Placement(rank, args.tp_size), level, path in required)
-                for path in models
+                PreloadSpec(
+                    path,
+                    recipe,
+                    Placement(rank, args.tp_size),
+                    level,
+                    path in required,
+                    name=name,
+                )
+                for path, name in named
                 for rank in ranks
             ],
             options=ServiceOptions(
@@ -455,19 +474,21 @@ def _drop_multiprocess_variables() -> dict[str, str]:
     return {name: os.environ.pop(name) for name in MULTIPROC_VARIABLES if name in os.environ}
 
 
-def _models(texts: list[str]) -> list[str]:
-    """Model arguments as paths: Hub repo ids resolved in the local Hub cache; what names
-    nothing is kept (the daemon refuses it at start-up, logged, and serves the others)."""
+def _models(texts: list[str]) -> list[tuple[str, str | None]]:
+    """Model arguments as paths, in order, each with its model's name: Hub repo ids
+    resolved in the local Hub cache (:mod:`weightcache.core.hub`), named after the repo id;
+    a path named by its folder (None); what names nothing is kept (the daemon refuses it at
+    start-up, logged, and serves the others)."""
     import structlog
 
-    from weightcache_service.hub import resolve_or_keep
+    from weightcache.core.hub import resolve_or_keep
 
     paths = []
     for text in texts:
-        path, why = resolve_or_keep(text)
+        path, name, why = resolve_or_keep(text)
         if why is not None:
             structlog.get_logger("weightcache.daemon").warning("not found", error=why)
-        paths.append(path)
+        paths.append((path, name))
     return paths
 
 

@@ -24,19 +24,40 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from weightcache.core import hub
+from weightcache.core.errors import InvalidCheckpointError
 from weightcache.core.rpc import call, connect
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache_service.hub import resolve_model
 
 
 def preload_request(model: str, revision: str | None, dtype: str | None) -> pb.PreloadRequest:
-    """The Preload request for a path or Hub repo id (resolved in the local Hub cache).
+    """The Preload request for a path, or a Hub repo id: then ``repo_id`` and
+    ``revision``, which the daemon resolves in its own Hub cache and names the model
+    after; with ``path`` too, the snapshot this command finds in the local Hub cache, for
+    a daemon older than those fields (a repo id not found there is sent alone: the
+    daemon's cache may hold it).
 
     Raises:
-        InvalidCheckpointError: ``model`` is neither a path nor a cached Hub repo.
+        InvalidCheckpointError: ``model`` is neither a path nor of the form of a repo id
+            (``org/name``).
     """
-    path = os.path.realpath(resolve_model(model, revision))
-    return pb.PreloadRequest(path=path, recipe=pb.Recipe(dtype=dtype or ""))
+    recipe = pb.Recipe(dtype=dtype or "")
+    try:
+        found = hub.find(model, revision)
+    except InvalidCheckpointError:
+        repo_id, named = hub.split_revision(model)
+        if os.path.isabs(model) or repo_id.count("/") != 1:
+            raise
+        # Not in this command's Hub cache: the daemon's may hold it (its answer says).
+        return pb.PreloadRequest(repo_id=repo_id, revision=revision or named or "", recipe=recipe)
+    if found is None:
+        return pb.PreloadRequest(path=os.path.realpath(model), recipe=recipe)
+    return pb.PreloadRequest(
+        path=os.path.realpath(found.path),
+        repo_id=found.repo_id,
+        revision=found.revision or "",
+        recipe=recipe,
+    )
 
 
 def follow(replies: Iterable[pb.PreloadResponse], console: Console) -> pb.PreloadResponse:

@@ -12,8 +12,11 @@ its own thread, and the cache's tables belong to the loop).
 | ``weightcache_memory_held_bytes`` | gauge | | bytes of arenas held |
 | ``weightcache_memory_unlinked_bytes`` | gauge | | bytes of revoked arenas still mapped (3) |
 | ``weightcache_unlinked_arenas`` | gauge | | such arenas |
-| ``weightcache_memory_budget_bytes`` | gauge | | the arena budget (absent when unlimited) |
+| ``weightcache_memory_budget_bytes`` | gauge | | the arena budget (``+Inf`` when unlimited) |
 | ``weightcache_leases_active`` | gauge | | live leases |
+| ``weightcache_model_state`` | gauge | ``model``, ``state`` | 1 for its state, 0 for others (4) |
+| ``weightcache_model_bytes`` | gauge | ``model`` | the model's arena size in bytes (0: none held) |
+| ``weightcache_model_leases`` | gauge | ``model`` | live leases on the model |
 | ``weightcache_ready`` | gauge | | 1 while readiness is SERVING, else 0 |
 | ``weightcache_acquires_total`` | counter | ``result``, ``reason`` | Acquire RPCs (1) |
 | ``weightcache_acquire_duration_seconds`` | histogram | | Acquire latency in the daemon |
@@ -26,19 +29,26 @@ its own thread, and the cache's tables belong to the loop).
 | ``process_*`` | | | prometheus-client's ``ProcessCollector``: RSS, CPU, start time, fds |
 
 (1) ``result`` ``granted`` (``reason`` empty), ``refused`` (``reason`` the error's: the
-worker falls back to disk, or raises), or ``probe_missed``: an Acquire by file identity
-that found no model loaded from those files (``MODEL_NOT_FOUND``), which the SDK follows
-with an Acquire by fingerprint (docs/protocol.md): not a fallback.
+worker falls back to disk, or raises), ``probe_missed``: an Acquire by file identity that
+found no model loaded from those files (``MODEL_NOT_FOUND``, ``FINGERPRINT_MISMATCH``),
+which the SDK follows with an Acquire by fingerprint (docs/protocol.md), or ``waiting``: a
+``MODEL_LOADING`` refusal of an Acquire that says it asks again
+(``AcquireRequest.asks_again_if_loading``: the SDK before its ``wait_timeout``). Neither
+of the last two is a fallback: one load counts at most one ``granted`` or one ``refused``.
 (2) ``result``: loads ended ``ready`` or ``failed``, or ``refused``: a start-up model or
 a Preload RPC refused before its load began (missing or malformed checkpoint, recipe,
 memory budget); ``reason`` the error's (empty for ``ready``).
 (3) Arenas revoked on shared memory: unlinked, but mapped by workers whose revoked leases
 have not ended yet; counted against the budget.
+(4) One series per model listed (``weightcache ls``: held, loading, FAILED) and state
+(loading, ready, failed, evicting); ``model`` is its name (a Hub repo id's ``org/name``
+for a model loaded from one). A model evicted leaves the exposition.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import socketserver
 import threading
@@ -82,6 +92,8 @@ class Snapshot:
     ready: bool
     unlinked: int = 0
     unlinked_arenas: int = 0
+    #: Per model listed: name, state, arena bytes, live leases.
+    models: tuple[tuple[str, str, int, int], ...] = ()
 
 
 class Metrics(CacheEvents):
@@ -105,7 +117,8 @@ class Metrics(CacheEvents):
         self._ready = ready
         self.acquires = Counter(
             "weightcache_acquires",
-            "Acquire RPCs by result (granted, refused) and refusal reason.",
+            "Acquire RPCs by result (granted; refused: the worker falls back; probe_missed, "
+            "waiting: it asks again) and refusal reason.",
             ["result", "reason"],
             registry=self.registry,
         )
@@ -145,10 +158,11 @@ class Metrics(CacheEvents):
 
     # -- CacheEvents -------------------------------------------------------------------
 
-    def acquired(self, reason: str, seconds: float, probe: bool = False) -> None:
+    def acquired(self, reason: str, seconds: float, result: str = "") -> None:
         """Count an Acquire: ``reason`` empty when granted, else the refusal's reason;
-        the miss of an Acquire by file identity (``probe``) as ``probe_missed``."""
-        result = "granted" if not reason else "probe_missed" if probe else "refused"
+        ``result`` ``probe_missed`` or ``waiting`` for a refusal the worker asks again
+        after (:meth:`CacheEvents.acquired`), else ``refused``."""
+        result = "granted" if not reason else result or "refused"
         self.acquires.labels(result, reason).inc()
         self.acquire_seconds.observe(seconds)
 
@@ -197,6 +211,9 @@ class Metrics(CacheEvents):
                 unlinked=sum(arena.size_bytes for arena in unlinked),
                 unlinked_arenas=len(unlinked),
                 ready=self._ready(),
+                models=tuple(
+                    (m.name, m.state, m.size_bytes, m.lease_count) for m in self._cache.models()
+                ),
             )
 
         future = asyncio.run_coroutine_threadsafe(take(), self._loop)
@@ -232,11 +249,29 @@ class _Gauges(Collector):
             "Revoked arenas unlinked but still mapped by workers.",
             value=snap.unlinked_arenas,
         )
-        if snap.budget is not None:
-            yield GaugeMetricFamily(
-                "weightcache_memory_budget_bytes", "The arena budget.", value=snap.budget
-            )
+        yield GaugeMetricFamily(
+            "weightcache_memory_budget_bytes",
+            "The arena budget (+Inf: unlimited, no --max-memory).",
+            value=math.inf if snap.budget is None else snap.budget,
+        )
         yield GaugeMetricFamily("weightcache_leases_active", "Live leases.", value=snap.leases)
+        per_state = GaugeMetricFamily(
+            "weightcache_model_state",
+            "1 for each model's state (loading, ready, failed, evicting), 0 for the others.",
+            labels=["model", "state"],
+        )
+        size = GaugeMetricFamily(
+            "weightcache_model_bytes", "Each model's arena size.", labels=["model"]
+        )
+        leases = GaugeMetricFamily(
+            "weightcache_model_leases", "Live leases on each model.", labels=["model"]
+        )
+        for name, current, nbytes, count in snap.models:
+            for each in get_args(ModelState):
+                per_state.add_metric([name, each], int(each == current))
+            size.add_metric([name], nbytes)
+            leases.add_metric([name], count)
+        yield from (per_state, size, leases)
         yield GaugeMetricFamily(
             "weightcache_ready",
             "1 while readiness is SERVING (every required model READY, not draining), else 0.",

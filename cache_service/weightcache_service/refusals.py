@@ -8,9 +8,11 @@ describes itself. Refusals of one kind (reason and subject) are logged at most o
 (``suppressed``), so a fleet of workers falling back for one cause writes a line every
 few seconds, not one per worker.
 
-Levels: ``warning``, except a miss of an Acquire by file identity (``MODEL_NOT_FOUND``
-with ``match=files``), which the SDK follows with an Acquire by fingerprint, as the
-protocol prescribes (docs/protocol.md, "Acquire by file identity"): ``debug``.
+Levels: ``warning``, except the refusals the worker asks again after: a miss of an
+Acquire by file identity (``MODEL_NOT_FOUND`` or ``FINGERPRINT_MISMATCH`` with
+``match=files``), which the SDK follows with an Acquire by fingerprint, as the protocol
+prescribes (docs/protocol.md, "Acquire by file identity"), and a ``MODEL_LOADING`` of an
+Acquire with ``asks_again_if_loading``: ``debug``.
 """
 
 from __future__ import annotations

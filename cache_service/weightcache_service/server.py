@@ -172,13 +172,16 @@ class TcpListener:
 @dataclass(frozen=True)
 class PreloadSpec:
     """One model to load at start: a checkpoint folder under a recipe and placement;
-    ``required``: the daemon is not ready (health ``readiness``) until it is READY."""
+    ``required``: the daemon is not ready (health ``readiness``) until it is READY;
+    ``name``: the model's name before the suffixes (a Hub repo id's
+    :attr:`~weightcache.core.hub.HubModel.name`), None for the folder's basename."""
 
     path: str
     recipe: Recipe = field(default_factory=Recipe)
     placement: Placement = field(default_factory=Placement)
     fingerprint_level: Level = DEFAULT_LEVEL
     required: bool = True
+    name: str | None = None
 
 
 @dataclass
@@ -629,7 +632,7 @@ class Daemon:
         for spec in cfg.preload:
             try:
                 entry, task = await self.cache.begin_load(
-                    spec.path, spec.recipe, spec.placement, spec.fingerprint_level
+                    spec.path, spec.recipe, spec.placement, spec.fingerprint_level, name=spec.name
                 )
                 tasks.append(task)
                 if spec.required:
@@ -645,7 +648,12 @@ class Daemon:
                 # A model refused for lack of memory stays listed (FAILED): counted below.
                 if not isinstance(err, ResourceExhaustedError):
                     self.cache.refuse(
-                        spec.path, spec.recipe, spec.placement, spec.fingerprint_level, err
+                        spec.path,
+                        spec.recipe,
+                        spec.placement,
+                        spec.fingerprint_level,
+                        err,
+                        name=spec.name,
                     )
                 log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
             except Exception as err:
@@ -654,7 +662,12 @@ class Daemon:
                     self.health.refused()
                 log.exception("cannot preload", path=spec.path, error=repr(err))
                 self.cache.refuse(
-                    spec.path, spec.recipe, spec.placement, spec.fingerprint_level, err
+                    spec.path,
+                    spec.recipe,
+                    spec.placement,
+                    spec.fingerprint_level,
+                    err,
+                    name=spec.name,
                 )
         self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)

@@ -16,7 +16,13 @@ from typing import Any, TypeVar, get_args
 
 import grpc
 
-from weightcache.core.errors import ModelNotFoundError, NotSameHostError, WeightCacheError
+from weightcache.core.errors import (
+    FingerprintMismatchError,
+    ModelLoadingError,
+    ModelNotFoundError,
+    NotSameHostError,
+    WeightCacheError,
+)
 from weightcache.core.protocol import (
     MAX_ID_CHARS,
     MAX_LEASES_PER_REQUEST,
@@ -112,11 +118,24 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         self, request: pb.PreloadRequest, context: Context
     ) -> AsyncIterator[pb.PreloadResponse]:
         try:
-            path = self.cache.remote_path(request.path)
-            recipe = recipe_from_pb(request.recipe, admit=self.cache.admit_plugin)
-            placement = placement_from_pb(request.placement)
-            level = level_from_pb(request.fingerprint_level)
-            entry, task = await self.cache.begin_load(path, recipe, placement, level, confine=True)
+            try:
+                name = None
+                if request.repo_id:  # the snapshot in this daemon's Hub cache, by repo id
+                    path, name = await asyncio.to_thread(
+                        self.cache.remote_hub_model, request.repo_id, request.revision
+                    )
+                else:
+                    path = self.cache.remote_path(request.path)
+                recipe = recipe_from_pb(request.recipe, admit=self.cache.admit_plugin)
+                placement = placement_from_pb(request.placement)
+                level = level_from_pb(request.fingerprint_level)
+            except WeightCacheError as err:
+                # Refused before the cache saw it (begin_load counts its own refusals).
+                self.cache.events.preload_refused(err.reason)
+                raise
+            entry, task = await self.cache.begin_load(
+                path, recipe, placement, level, confine=True, name=name
+            )
             while not task.done():
                 yield _preload_response(entry)
                 await asyncio.wait([task], timeout=PROGRESS_INTERVAL)
@@ -147,24 +166,24 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         try:
             reply = self._acquire(request, context)
         except WeightCacheError as err:
-            probe = bool(request.files) and isinstance(err, ModelNotFoundError)
-            self.cache.events.acquired(err.reason, time.perf_counter() - start, probe)
-            self._log_acquire_refused(request, context, err)
+            result = _asked_again(request, err)
+            self.cache.events.acquired(err.reason, time.perf_counter() - start, result)
+            self._log_acquire_refused(request, context, err, debug=bool(result))
             raise
         self.cache.events.acquired("", time.perf_counter() - start)
         return reply
 
     def _log_acquire_refused(
-        self, request: pb.AcquireRequest, context: Context, err: WeightCacheError
+        self, request: pb.AcquireRequest, context: Context, err: WeightCacheError, debug: bool
     ) -> None:
         # Read from the raw request: a refusal at decode (INVALID_ARGUMENT) is logged too,
-        # with every string clipped as in error messages.
-        probe = bool(request.files) and isinstance(err, ModelNotFoundError)
+        # with every string clipped as in error messages. One the worker asks again after
+        # (``debug``) is no fallback: logged at debug.
         self.refusals.refused(
             "Acquire",
             err.reason,
             err.detail,
-            debug=probe,
+            debug=debug,
             path=clip(request.checkpoint_path),
             fingerprint=clip(request.fingerprint.digest)[:16],
             match="files" if request.files else "fingerprint",
@@ -274,9 +293,23 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         return server_info_pb(self.cache.server_info())
 
 
+#: Refusals of an Acquire by file identity that the SDK follows with one by fingerprint.
+_PROBE_MISSES = frozenset({ModelNotFoundError.reason, FingerprintMismatchError.reason})
+
+
+def _asked_again(request: pb.AcquireRequest, err: WeightCacheError) -> str:
+    """``probe_missed`` or ``waiting`` for a refusal the worker asks again after (see
+    :mod:`.metrics`), else empty: a final refusal."""
+    if request.files and err.reason in _PROBE_MISSES:
+        return "probe_missed"
+    if request.asks_again_if_loading and isinstance(err, ModelLoadingError):
+        return "waiting"
+    return ""
+
+
 def _subject(request: Any) -> dict[str, Any]:
     """What a request names, for a refusal's log line: a model's ``name`` or a ``path``."""
-    fields = {"name": "model", "path": "path"}
+    fields = {"name": "model", "path": "path", "repo_id": "repo_id", "revision": "revision"}
     return {
         key: clip(value)
         for field_name, key in fields.items()

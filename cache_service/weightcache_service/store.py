@@ -205,6 +205,7 @@ class Store:
         fp: Fingerprint,
         *,
         unlinked: int = 0,
+        name: str | None = None,
     ) -> Entry:
         """Register a model in state LOADING and size its arena from the planned specs.
 
@@ -219,6 +220,8 @@ class Store:
                 hashes the shards and completes it.
             unlinked: bytes of revoked arenas workers still map, counted against the
                 budget (:meth:`MemoryBudget.check`).
+            name: the name before its suffixes (a Hub repo id's); None: the checkpoint
+                folder's basename.
 
         Raises:
             ModelExistsError: a model with the same fingerprint is already held, or one
@@ -238,8 +241,8 @@ class Store:
                     metadata={"model": entry.name},
                 )
         self.drop_refusals(str(checkpoint.root))
-        name = self._unique_name(str(checkpoint.root), recipe, placement)
-        entry = Entry(name, checkpoint, recipe, placement, pipeline, fp)
+        unique = self._unique_name(str(checkpoint.root), recipe, placement, name)
+        entry = Entry(unique, checkpoint, recipe, placement, pipeline, fp)
         _plan(entry)
         if self.budget is not None:
             try:
@@ -311,12 +314,15 @@ class Store:
         placement: Placement,
         level: Level,
         failure: WeightCacheError,
+        *,
+        name: str | None = None,
     ) -> Refusal:
-        """Keep a start-up model refused before it held anything (:class:`Refusal`)."""
+        """Keep a start-up model refused before it held anything (:class:`Refusal`),
+        named ``name`` (None: the path's basename) with its suffixes."""
         failure.__traceback__ = failure.__context__ = failure.__cause__ = None
-        name = self._unique_name(path.rstrip("/"), recipe, placement)
-        refusal = Refusal(name, path, recipe, placement, level, failure)
-        self.refusals[name] = refusal
+        unique = self._unique_name(path.rstrip("/"), recipe, placement, name)
+        refusal = Refusal(unique, path, recipe, placement, level, failure)
+        self.refusals[unique] = refusal
         return refusal
 
     def drop_refusals(self, root: str) -> None:
@@ -325,8 +331,10 @@ class Store:
             if os.path.realpath(refusal.path) == root:
                 del self.refusals[name]
 
-    def _unique_name(self, root: str, recipe: Recipe, placement: Placement) -> str:
-        base = os.path.basename(root) or "model"
+    def _unique_name(
+        self, root: str, recipe: Recipe, placement: Placement, name: str | None = None
+    ) -> str:
+        base = name or os.path.basename(root) or "model"
         if placement.tp_size > 1:
             base += f"-tp{placement.tp_rank}of{placement.tp_size}"
         if recipe.dtype:

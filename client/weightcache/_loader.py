@@ -57,6 +57,7 @@ from weightcache._lease import (
 from weightcache._log import get_logger
 from weightcache._options import LoadKeywords, LoadOptions, Mode, resolve
 from weightcache._trust import check_socket, trusted_uids
+from weightcache.core import hub
 from weightcache.core.checkpoint import (
     Checkpoint,
     FileIdentity,
@@ -270,6 +271,11 @@ def load(
 ) -> LoadedWeights:
     """Get a checkpoint's weights from the daemon, or from disk.
 
+    ``model_dir`` may also be a Hugging Face Hub repo id, ``org/name`` or
+    ``org/name@REVISION``, when no such path exists: its snapshot in the local Hub cache
+    (``$HF_HUB_CACHE``), found as the daemon finds it (:mod:`weightcache.core.hub`), never
+    downloaded.
+
     ``load(path, options=LoadOptions(device="cuda:0", ttl=30.0))`` and
     ``load(path, device="cuda:0", ttl=30.0)`` are the same call; giving both ``options`` and
     keywords is a ``TypeError``. With neither, every option has its default: the daemon
@@ -281,7 +287,8 @@ def load(
     such model, the headers are validated and the fingerprint computed from the files.
 
     Args:
-        model_dir: checkpoint folder (``model.safetensors`` or a sharded index).
+        model_dir: checkpoint folder (``model.safetensors`` or a sharded index), or a Hub
+            repo id in the local Hub cache.
         options: every option, field by field in :class:`LoadOptions` (socket, device,
             dtype, recipe, mode, fallback, fingerprint_level, tp_rank, tp_size, ttl,
             wait_timeout, lease_policy, on_lease_lost, on_revoke, trusted_uid).
@@ -294,8 +301,9 @@ def load(
         TypeError: both ``options`` and keywords are given, ``options`` is not a
             :class:`LoadOptions`, or a keyword names no option.
         ValueError: an option is invalid (see :class:`LoadOptions`).
-        InvalidCheckpointError: the checkpoint is malformed (either path), or a shard
-            changed (dev, inode, size, mtime or ctime) while it was being read.
+        InvalidCheckpointError: the checkpoint is malformed (either path), a shard
+            changed (dev, inode, size, mtime or ctime) while it was being read, or
+            ``model_dir`` is neither a path nor a repo id in the local Hub cache.
         RecipeError: the dtype or placement is invalid.
         DaemonUnavailableError, ModelNotFoundError, FingerprintMismatchError,
         ModelLoadingError, ModelFailedError, DrainingError, ResourceExhaustedError,
@@ -309,6 +317,7 @@ def load(
             daemon refused the request for a reason that loading from disk would hide.
     """
     opts = resolve(options, keywords)
+    model_dir = local_folder(model_dir)
     with _gc_paused():
         placement = Placement(opts.tp_rank, opts.tp_size)
         recipe = _recipe_of(opts)
@@ -320,6 +329,19 @@ def load(
             return _load_checkpoint(
                 checkpoint, recipe, placement, opts, attach=attach, refusal=attempt
             )
+
+
+def local_folder(model_dir: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """``model_dir`` itself when it is a path that exists (or not a string), else the
+    snapshot folder of the Hub repo id it names in the local Hub cache
+    (:func:`weightcache.core.hub.resolve_model`).
+
+    Raises:
+        InvalidCheckpointError: ``model_dir`` names neither a path nor a cached repo.
+    """
+    if not isinstance(model_dir, str) or os.path.exists(model_dir):
+        return model_dir
+    return hub.resolve_model(model_dir)
 
 
 #: How to attach, or why the options name no daemon: a ``ValueError`` (no such device),
@@ -438,8 +460,9 @@ def load_from_disk(
     applied as by :func:`load`, whose disk fallback this is (:mod:`weightcache._disk`).
 
     Args:
-        model_dir: checkpoint folder (``model.safetensors`` or a sharded index), or one
-            ``.safetensors`` file.
+        model_dir: checkpoint folder (``model.safetensors`` or a sharded index), one
+            ``.safetensors`` file, or a Hub repo id in the local Hub cache (as
+            :func:`load`).
         dtype, recipe, fingerprint_level, tp_rank, tp_size: as :class:`LoadOptions`.
         mode: ``"zero_copy"`` (default): the shard files are mapped private and
             copy-on-write, as ``safetensors.torch.load_file`` maps them, and each tensor
@@ -454,9 +477,9 @@ def load_from_disk(
     Raises:
         ValueError: ``recipe`` and ``dtype`` are both given, or ``fingerprint_level`` or
             ``mode`` is unknown (the checks of :class:`LoadOptions`).
-        InvalidCheckpointError: the checkpoint is malformed, or a shard changed (dev,
+        InvalidCheckpointError: the checkpoint is malformed, a shard changed (dev,
             inode, size, mtime or ctime; a truncation included) while it was being
-            loaded.
+            loaded, or ``model_dir`` names neither a path nor a cached Hub repo.
         RecipeError: the dtype or placement is invalid.
     """
     options = LoadOptions(
@@ -467,7 +490,7 @@ def load_from_disk(
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
-    with _gc_paused(), open_checkpoint(model_dir) as checkpoint:
+    with _gc_paused(), open_checkpoint(local_folder(model_dir)) as checkpoint:
         placement = Placement(tp_rank, tp_size)
         pipeline = _recipe_of(options).build(checkpoint, placement)
         fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
@@ -783,6 +806,9 @@ def _acquire_with_wait(
     deadline = time.monotonic() + wait_timeout
     logged = False
     while True:
+        # The daemon counts a MODEL_LOADING this attempt will wait out as "waiting", not
+        # as a refusal (weightcache_acquires_total): false for the last attempt.
+        request.asks_again_if_loading = time.monotonic() + RETRY_INTERVAL <= deadline
         try:
             return _acquire_once(socket, request)
         except (ModelLoadingError, DaemonUnavailableError) as err:

@@ -101,6 +101,16 @@ class Worker:
             WorkerTimeoutError: it did not reply within ``timeout`` seconds.
         """
         self.send(op, **fields)
+        return self.reply(op, timeout=timeout)
+
+    def reply(self, op: str, *, timeout: float = WORKER_TIMEOUT) -> dict[str, Any]:
+        """The reply to a command of kind ``op`` that :meth:`send` sent (events that
+        arrive first are kept).
+
+        Raises:
+            WorkerDiedError: the worker ended before it replied.
+            WorkerTimeoutError: it did not reply within ``timeout`` seconds.
+        """
         deadline = time.monotonic() + timeout
         return next_reply(op, deadline, self._read_message, self._events)
 

@@ -295,16 +295,20 @@ class Environment(_message.Message):
     def __init__(self, weightcache_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PreloadRequest(_message.Message):
-    __slots__ = ("path", "recipe", "placement", "fingerprint_level")
+    __slots__ = ("path", "recipe", "placement", "fingerprint_level", "repo_id", "revision")
     PATH_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    REPO_ID_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     path: str
     recipe: Recipe
     placement: Placement
     fingerprint_level: FingerprintLevel
-    def __init__(self, path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., fingerprint_level: _Optional[_Union[FingerprintLevel, str]] = ...) -> None: ...
+    repo_id: str
+    revision: str
+    def __init__(self, path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., fingerprint_level: _Optional[_Union[FingerprintLevel, str]] = ..., repo_id: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class PreloadResponse(_message.Message):
     __slots__ = ("model", "state", "progress")
@@ -353,7 +357,7 @@ class UnlinkedArena(_message.Message):
     def __init__(self, model: _Optional[str] = ..., size_bytes: _Optional[int] = ..., lease_count: _Optional[int] = ..., unlink_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid", "files", "tensor_format", "worker")
+    __slots__ = ("request_id", "fingerprint", "checkpoint_path", "ttl", "environment", "pid", "files", "tensor_format", "worker", "asks_again_if_loading")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +367,7 @@ class AcquireRequest(_message.Message):
     FILES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FORMAT_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    ASKS_AGAIN_IF_LOADING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fingerprint: Fingerprint
     checkpoint_path: str
@@ -372,7 +377,8 @@ class AcquireRequest(_message.Message):
     files: _containers.RepeatedCompositeFieldContainer[CheckpointFile]
     tensor_format: TensorFormat
     worker: WorkerDescription
-    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., pid: _Optional[int] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., tensor_format: _Optional[_Union[TensorFormat, str]] = ..., worker: _Optional[_Union[WorkerDescription, _Mapping]] = ...) -> None: ...
+    asks_again_if_loading: bool
+    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., environment: _Optional[_Union[Environment, _Mapping]] = ..., pid: _Optional[int] = ..., files: _Optional[_Iterable[_Union[CheckpointFile, _Mapping]]] = ..., tensor_format: _Optional[_Union[TensorFormat, str]] = ..., worker: _Optional[_Union[WorkerDescription, _Mapping]] = ..., asks_again_if_loading: _Optional[bool] = ...) -> None: ...
 
 class WorkerDescription(_message.Message):
     __slots__ = ("pid", "hostname", "label", "pid_namespace", "mode")

@@ -20,6 +20,7 @@ daemon path is left (``"fallback": false``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -48,6 +49,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 # Imported here, when vLLM loads the plugin, not inside the first load (weightcache's names
 # import lazily): gRPC and the stubs are then ready before the weights are timed.
 from weightcache import FallbackReason, LoadedWeights, load
+from weightcache.core import hub
 from weightcache.core.errors import InvalidCheckpointError, RecipeError, WeightCacheError
 from weightcache.core.plugins import PluginStep
 from weightcache.core.recipe import Recipe
@@ -280,6 +282,11 @@ class WeightcacheModelLoader(BaseModelLoader):
     def _model_folder(self, model_config: ModelConfig) -> Path:
         if os.path.isdir(model_config.model):
             return Path(model_config.model)
+        if self.load_config.download_dir is None:
+            # A repo id already in the local Hub cache: the snapshot the daemon finds for
+            # it (weightcache.core.hub), read offline; else vLLM's own download.
+            with contextlib.suppress(InvalidCheckpointError):
+                return Path(hub.resolve_model(model_config.model, model_config.revision))
         return Path(
             download_weights_from_hf(
                 model_config.model,
