@@ -48,7 +48,7 @@ HERE = Path(__file__).parent
 FLEET = HERE / "fleet.py"
 PLOT = HERE / "demo.png"
 #: Timing rounds: each loader once per round, in a fresh forked worker.
-ROUNDS = 3
+ROUNDS = 5
 #: Workers held at once in the memory comparison.
 WORKERS = (1, 4, 8)
 #: Tensors of the many-tensor checkpoint, and elements (float32) of each.
@@ -221,6 +221,9 @@ def print_notes(result: dict[str, Any]) -> None:
     print(f"  - bfloat16, {n} workers: the cache holds {bf16_said}. The daemon casts once and")
     print("    every worker maps that one copy; from_pretrained casts in each worker, into")
     print("    private memory, so each holds its own.")
+    print("  - load_from_disk (the cache's fallback) maps the file as load_file does, and")
+    print("    builds the model on the meta device: its weights-ready is near the cache's; its")
+    print("    pages are read at the first embedding (from the page cache, warm here).")
     print("  - The win on CPU is time to weights-ready, processed weights made once and")
     print("    shared, and checkpoints of many tensors; not memory for a checkpoint that")
     print("    from_pretrained can map as it is.")
