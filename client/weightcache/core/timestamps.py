@@ -14,10 +14,11 @@ later granule, and the identity moves. Otherwise the caller reads the bytes agai
 
 A write through a shared writable mapping (``mmap``) stamps mtime when it first dirties a
 page, not at each write. :func:`settle` writes the file's dirty pages back before it is
-read (``fdatasync(2)``), so that the next write through a mapping faults and stamps the
-file again. On tmpfs (``/dev/shm``, ``/tmp`` on some systems) pages are never written
-back: there a writer through a mapping can change bytes without a new stamp, which no
-identity can see (docs/fingerprint.md, "What file identity guarantees").
+read (``sync_file_range(2)``; ``fdatasync(2)`` where that is missing), so that the next
+write through a mapping faults and stamps the file again. On tmpfs (``/dev/shm``, ``/tmp``
+on some systems) pages are never written back: there a writer through a mapping can
+change bytes without a new stamp, which no identity can see (docs/fingerprint.md, "What
+file identity guarantees").
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable
+from typing import cast
 
 #: Granules, in nanoseconds.
 FAT_GRANULE_NS = 2_000_000_000
@@ -95,9 +98,39 @@ def vouches(dev: int, mtime_ns: int, ctime_ns: int, since_ns: int) -> bool:
     return since_ns - max(mtime_ns, ctime_ns) > granule_ns(dev, mtime_ns, ctime_ns)
 
 
+#: ``sync_file_range(2)`` flags: wait for writeback in flight, write every dirty page of
+#: the range, wait for that writeback (linux/fs.h).
+_SYNC_FILE_RANGE_ALL = 1 | 2 | 4
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range``, or None where there is none (not Linux, no glibc
+    symbol, ctypes unavailable)."""
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (ImportError, OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return cast(Callable[[int, int, int, int], int], function)
+
+
 def settle(fd: int) -> None:
-    """Write the file's dirty pages back (``fdatasync(2)``, allowed on a read-only
-    descriptor), so that a write through a shared mapping after this stamps the file
-    again. Best effort: a file system that refuses (EINVAL, EROFS...) is left as it is."""
+    """Write the file's dirty pages back, so that a write through a shared mapping after
+    this stamps the file again. Best effort: a file system that refuses (EINVAL, EROFS...)
+    is left as it is.
+
+    ``sync_file_range(2)`` over the whole file (allowed on a read-only descriptor): the
+    writeback makes every page clean and write-protects it in every mapping, which is all
+    the stamp needs, and costs about 1 us on a clean file. ``fdatasync(2)``, the fallback
+    where it is missing or refused, also flushes the device's cache: about 3 ms a file on
+    the shared VM, 77 % of ``load_from_disk``'s time on a 4-shard checkpoint (issue 29).
+    """
+    function = _sync_file_range()
+    if function is not None and function(fd, 0, 0, _SYNC_FILE_RANGE_ALL) == 0:
+        return
     with contextlib.suppress(OSError):
         os.fdatasync(fd)
