@@ -64,6 +64,9 @@ from weightcache_service.store import Entry, Refusal, Store, clip
 
 log = structlog.get_logger("weightcache.daemon")
 
+#: ``(cert, key, ca)``: PEM paths of the mutual-TLS identity used towards peers.
+PeerTlsFiles = tuple[str, str, str]
+
 #: What a KeepAlive session is sent: statuses of some of its leases; None ends it.
 Outbox = asyncio.Queue[list[LeaseStatus] | None]
 
@@ -86,6 +89,11 @@ class CacheEvents:
         malformed or missing checkpoint, a recipe that cannot apply, the memory budget
         (``reason``: the error's)."""
 
+    def seeded(self, result: str, nbytes: int, seconds: float) -> None:
+        """A seed from a peer ended: ``result`` is ``seeded``, or why the model is loaded
+        from its files instead (:mod:`.seeding`); ``nbytes`` bytes made READY seeded (0
+        otherwise) in ``seconds``."""
+
     def lease_expired(self) -> None:
         """A lease ended by its TTL."""
 
@@ -103,12 +111,18 @@ class ServiceOptions:
         drain_timeout: seconds lease holders get after REVOKING (a forced Evict, or a
             drain at SIGTERM) before the memory is freed.
         allowed_plugins: recipe plugins a remote Preload may name.
+        peer_tls: ``(cert, key, ca)`` PEM paths for seeding from peers (mutual TLS).
     """
 
     allow_remote_preload: bool = False
     model_roots: list[Path] = field(default_factory=list)
     drain_timeout: float = 30.0
     allowed_plugins: frozenset[str] = frozenset()
+    #: ``--peer-tls-cert/--peer-tls-key/--peer-tls-ca``: what a seed presents to a peer.
+    peer_tls: PeerTlsFiles | None = None
+    #: Parallel data-plane streams and bytes per chunk of a seed (:mod:`.dataplane`).
+    seed_streams: int = 4
+    seed_chunk_bytes: int = 4 << 20
 
 
 class WeightCache:
@@ -164,8 +178,10 @@ class WeightCache:
         level: Level,
         *,
         confine: bool = False,
+        seed_from: str = "",
     ) -> tuple[Entry, asyncio.Task[None]]:
-        """Validate and fingerprint a checkpoint (off the event loop), then start loading it.
+        """Validate and fingerprint a checkpoint (off the event loop), then start loading it
+        (from the peer daemon ``seed_from`` first, when given: :mod:`.seeding`).
 
         At level ``full``, shards the hash cache does not know are hashed during the load:
         the entry's fingerprint is pending until then, and a load that then turns out to
@@ -187,7 +203,7 @@ class WeightCache:
         """
 
         try:
-            return await self._begin_load(path, recipe, placement, level, confine)
+            return await self._begin_load(path, recipe, placement, level, confine, seed_from)
         except ModelExistsError:
             raise  # nothing to load: not a refusal
         except WeightCacheError as err:
@@ -197,8 +213,14 @@ class WeightCache:
             self.events.preload_refused(ModelFailedError.reason)
             raise
 
-    async def _begin_load(
-        self, path: str, recipe: Recipe, placement: Placement, level: Level, confine: bool
+    async def _begin_load(  # noqa: PLR0917 (the load's parts, as begin_load's)
+        self,
+        path: str,
+        recipe: Recipe,
+        placement: Placement,
+        level: Level,
+        confine: bool,
+        seed_from: str,
     ) -> tuple[Entry, asyncio.Task[None]]:
         def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
             # Confinement is checked on each file as opened: a path checked before the
@@ -244,8 +266,30 @@ class WeightCache:
         except BaseException:
             checkpoint.close()
             raise
-        log.info("loading", model=entry.name, path=str(checkpoint.root), bytes=entry.size)
-        task = asyncio.create_task(asyncio.to_thread(self.store.load, entry))
+        if not fp.pending and level == "full":
+            entry.file_sha256 = cached_digests(checkpoint)
+        log.info(
+            "loading",
+            model=entry.name,
+            path=str(checkpoint.root),
+            bytes=entry.size,
+            **({"seed_from": seed_from} if seed_from else {}),
+        )
+        if seed_from:
+            from weightcache_service.seeding import PeerTls, Seeder
+
+            tls = PeerTls(*self.options.peer_tls) if self.options.peer_tls else None
+            seeder = Seeder(
+                seed_from,
+                tls,
+                self.events,
+                self.options.seed_streams,
+                self.options.seed_chunk_bytes,
+            )
+            load = asyncio.to_thread(self.store.load_seeded, entry, seeder.seed, seeder.fallback)
+        else:
+            load = asyncio.to_thread(self.store.load, entry)
+        task = asyncio.create_task(load)
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
         task.add_done_callback(lambda _t: self._finished(entry))

@@ -214,6 +214,38 @@ def _parser() -> argparse.ArgumentParser:
         "--insecure", action="store_true", help="plaintext TCP, loopback addresses only"
     )
     daemon.add_argument(
+        "--allow-seeding",
+        action="store_true",
+        help="let authenticated peers (mutual TLS) seed READY models from this daemon",
+    )
+    daemon.add_argument(
+        "--seed-from",
+        default=None,
+        metavar="HOST:PORT",
+        help="fill the start-up models from this peer daemon, verified; else load from files",
+    )
+    daemon.add_argument("--peer-tls-cert", default=None, metavar="PEM", help="seeding: our cert")
+    daemon.add_argument("--peer-tls-key", default=None, metavar="PEM", help="seeding: our key")
+    daemon.add_argument(
+        "--peer-tls-ca", default=None, metavar="PEM", help="seeding: CA of the peers' certificates"
+    )
+    daemon.add_argument(
+        "--seed-streams", type=int, default=4, help="parallel streams of a seed (default 4)"
+    )
+    daemon.add_argument(
+        "--seed-chunk-bytes",
+        type=int,
+        default=4 << 20,
+        help="bytes per message of a seed (default 4 MiB, at most 16 MiB)",
+    )
+    daemon.add_argument(
+        "--seed-max-rate",
+        type=float,
+        default=0.0,
+        metavar="BYTES",
+        help="bytes per second each stream served to a seeding peer may carry (0: no limit)",
+    )
+    daemon.add_argument(
         "--health-listen",
         default=None,
         metavar="HOST:PORT",
@@ -376,6 +408,16 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
     if args.drain_timeout is not None and args.drain_timeout < 0:
         print("weightcache preload: --drain-timeout must not be negative", file=sys.stderr)
         return EXIT_USAGE
+    peer_tls = (args.peer_tls_cert, args.peer_tls_key, args.peer_tls_ca)
+    if any(peer_tls) and not all(peer_tls):
+        print(
+            "weightcache preload: --peer-tls-cert, --peer-tls-key and --peer-tls-ca go together",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.allow_seeding and args.listen is None:
+        print("weightcache preload: --allow-seeding needs --listen", file=sys.stderr)
+        return EXIT_USAGE
     if args.allow_remote_preload and not args.model_root:
         print(
             "weightcache preload: --allow-remote-preload needs at least one --model-root",
@@ -406,7 +448,14 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
             socket=daemon_socket(args, device),
             device=device,
             preload=[
-                PreloadSpec(path, recipe, Placement(rank, args.tp_size), level, path in required)
+                PreloadSpec(
+                    path,
+                    recipe,
+                    Placement(rank, args.tp_size),
+                    level,
+                    path in required,
+                    seed_from=args.seed_from or "",
+                )
                 for path in models
                 for rank in ranks
             ],
@@ -415,7 +464,12 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
                 model_roots=model_roots(args.model_root),
                 **({} if args.drain_timeout is None else {"drain_timeout": args.drain_timeout}),
                 allowed_plugins=frozenset(args.allow_recipe),
+                peer_tls=peer_tls if all(peer_tls) else None,
+                seed_streams=max(1, args.seed_streams),
+                seed_chunk_bytes=min(max(args.seed_chunk_bytes, 64 << 10), 16 << 20),
             ),
+            allow_seeding=args.allow_seeding,
+            seed_max_rate=args.seed_max_rate,
             budget=MemoryBudget(
                 max_bytes=max_bytes,
                 percent=percent,

@@ -17,7 +17,7 @@ import os
 import resource
 import signal
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -56,6 +56,7 @@ from weightcache_service.health import Health, HealthListener
 from weightcache_service.leases import LeaseTable
 from weightcache_service.metrics import Metrics, MetricsListener
 from weightcache_service.notify import Notifier
+from weightcache_service.seed_serve import SeedServer
 from weightcache_service.segments import (
     Skipped,
     handover_name,
@@ -171,6 +172,8 @@ class PreloadSpec:
     placement: Placement = field(default_factory=Placement)
     fingerprint_level: Level = DEFAULT_LEVEL
     required: bool = True
+    #: ``--seed-from``: the peer daemon (``HOST:PORT``) to seed it from first.
+    seed_from: str = ""
 
 
 @dataclass
@@ -192,6 +195,9 @@ class DaemonConfig:
         hand_over: ``--hand-over``: SIGTERM hands the arenas and leases over to the next
             daemon on the socket (as SIGUSR2 always does) instead of draining.
         argv: the command line it was started with (logged at start).
+        allow_seeding: ``--allow-seeding``: authenticated peers may seed from it.
+        seed_max_rate: ``--seed-max-rate``: bytes per second per seed stream served (0:
+            no limit).
     """
 
     socket: str
@@ -206,6 +212,8 @@ class DaemonConfig:
     metrics_listen: str | None = None
     hand_over: bool = False
     argv: list[str] = field(default_factory=list)
+    allow_seeding: bool = False
+    seed_max_rate: float = 0.0
 
 
 class Daemon:
@@ -421,10 +429,11 @@ class Daemon:
 
     async def _start_server(self, socket: str) -> grpc.aio.Server:
         tcp = self.config.tcp
+        policy = replace(tcp.policy if tcp else Policy(), allow_seeding=self.config.allow_seeding)
         server = grpc.aio.server(
             # Outermost first: a peer is authorized before its request is even judged.
             interceptors=[
-                AuthorizationInterceptor(tcp.policy if tcp else Policy()),
+                AuthorizationInterceptor(policy),
                 StatusGuard(f"/{SERVICE_NAME}/"),
             ],
             options=[
@@ -441,7 +450,10 @@ class Daemon:
         # tells its connections from others (.peers).
         bound = _bind_path(socket)
         pb_grpc.add_WeightCacheServiceServicer_to_server(
-            WeightCacheServicer(self.cache, bound), server
+            WeightCacheServicer(
+                self.cache, bound, seeds=SeedServer(self.cache, self.config.seed_max_rate)
+            ),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         _enable_reflection(server)
@@ -567,7 +579,11 @@ class Daemon:
         for spec in cfg.preload:
             try:
                 entry, task = await self.cache.begin_load(
-                    spec.path, spec.recipe, spec.placement, spec.fingerprint_level
+                    spec.path,
+                    spec.recipe,
+                    spec.placement,
+                    spec.fingerprint_level,
+                    seed_from=spec.seed_from,
                 )
                 tasks.append(task)
                 if spec.required:
