@@ -158,13 +158,17 @@ class SeedServer:
             arena = entry.arena
             assert arena is not None  # checked by _entry
             n = min(chunk, offset + length - cursor)
+            if self.max_rate > 0:
+                # Wait until sending this chunk keeps the stream within the rate.
+                ahead = (sent + n) / self.max_rate - (time.monotonic() - start)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+                entry = self._entry(lease_id)  # checked again after the wait
+                arena = entry.arena
+                assert arena is not None
             yield cursor, copy_range(arena, cursor, n)
             cursor += n
             sent += n
-            if self.max_rate > 0:
-                ahead = sent / self.max_rate - (time.monotonic() - start)
-                if ahead > 0:
-                    await asyncio.sleep(ahead)
 
     def end(self, lease_id: str) -> None:
         """Release a transfer lease (idempotent)."""
