@@ -432,3 +432,31 @@ def test_a_peer_that_does_not_allow_it_is_refused(
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
     assert failed["result"] == "refused"
     assert failed["why"] == f"BeginSeed {link.a_ip}:{PORT}: {code}: {why}"
+
+
+# -- the data plane's wire format (no namespace needed) ----------------------------------
+
+
+@pytest.mark.parametrize(("offset", "data"), [(0, b""), (0, b"abc"), (300, bytes(range(256)) * 3)])
+def test_raw_responses_are_the_message_on_the_wire(offset: int, data: bytes) -> None:
+    from weightcache_service.arena import SharedMemoryArena, Slot, align
+    from weightcache_service.dataplane import parse_response
+    from weightcache_service.seed_serve import response_bytes
+
+    arena = SharedMemoryArena(max(align(offset + len(data)), 256), "weightcache-seedtest-")
+    try:
+        slot = Slot("t", "U8", (len(data),), offset, len(data))
+
+        def fill(out: memoryview) -> None:
+            out[:] = data
+
+        arena.read_into(slot, fill)
+        raw = response_bytes(arena, offset, len(data))
+    finally:
+        arena.close()
+    message = pb.ReadSeedDataResponse.FromString(raw)
+    at, view = parse_response(message.SerializeToString())
+
+    assert (message.offset, message.data) == (offset, data)
+    assert (at, bytes(view)) == (offset, data)
+    assert parse_response(raw)[0] == offset

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 import grpc
 
 from weightcache.v1 import weight_cache_service_pb2 as pb
-from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 
 #: Default chunk of one ReadSeedData message, in bytes.
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -27,7 +26,9 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_STREAMS = 4
 
 #: ``write(offset, data)``: put ``data`` at byte ``offset`` of the local arena.
-Writer = Callable[[int, bytes], None]
+Writer = Callable[[int, memoryview], None]
+#: The method's full name (the generated stub's, whose responses are parsed messages).
+READ_METHOD = "/weightcache.v1.WeightCacheService/ReadSeedData"
 
 
 class TransferError(Exception):
@@ -62,7 +63,13 @@ class GrpcStreamPlane:
         streams: int = DEFAULT_STREAMS,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
-        self._stub = pb_grpc.WeightCacheServiceStub(channel)
+        # Responses unparsed: parse_response finds the data in place (no copy), where a
+        # parsed message would copy it twice (into the message, out of its field).
+        self._read = channel.unary_stream(
+            READ_METHOD,
+            request_serializer=pb.ReadSeedDataRequest.SerializeToString,
+            response_deserializer=None,
+        )
         self.streams = max(1, streams)
         self.chunk_bytes = chunk_bytes
 
@@ -86,17 +93,17 @@ class GrpcStreamPlane:
             )
             cursor = offset
             try:
-                call = self._stub.ReadSeedData(request)
+                call: Any = self._read(request)
                 with lock:
                     calls.append(call)
-                for reply in call:
+                for raw in call:
                     if cancelled() or errors:
                         call.cancel()
                         raise TransferError("cancelled")
-                    data = reply.data
-                    if reply.offset != cursor or cursor + len(data) > offset + length:
+                    at, data = parse_response(raw)
+                    if at != cursor or cursor + len(data) > offset + length:
                         raise TransferError(
-                            f"chunk at {reply.offset} ({len(data)} bytes) outside the range "
+                            f"chunk at {at} ({len(data)} bytes) outside the range "
                             f"expected from {cursor}"
                         )
                     write(cursor, data)
@@ -120,3 +127,45 @@ class GrpcStreamPlane:
         real = [e for e in errors if e != "cancelled"] or errors
         if real:
             raise TransferError(real[0])
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(raw) or shift > 63:
+            raise TransferError("malformed ReadSeedDataResponse: bad varint")
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def parse_response(raw: bytes) -> tuple[int, memoryview]:
+    """A serialized ``ReadSeedDataResponse`` as ``(offset, data)``, ``data`` a view of
+    ``raw`` (not copied). Fields in any order; unknown varint and length-delimited
+    fields skipped; a repeated field's last value wins, as protobuf parsers do.
+
+    Raises:
+        TransferError: the bytes are not such a message.
+    """
+    view = memoryview(raw)
+    offset, data, pos = 0, view[0:0], 0
+    while pos < len(raw):
+        key, pos = _varint(raw, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(raw, pos)
+            if field == 1:
+                offset = value
+        elif wire == 2:
+            size, pos = _varint(raw, pos)
+            if pos + size > len(raw):
+                raise TransferError("malformed ReadSeedDataResponse: field past the end")
+            if field == 2:
+                data = view[pos : pos + size]
+            pos += size
+        else:
+            raise TransferError(f"malformed ReadSeedDataResponse: wire type {wire}")
+    return offset, data

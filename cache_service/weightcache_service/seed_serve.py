@@ -134,10 +134,12 @@ class SeedServer:
     async def read(
         self, lease_id: str, offset: int, length: int, chunk_bytes: int
     ) -> AsyncIterator[tuple[int, bytes]]:
-        """Yield ``(offset, data)`` chunks of the leased model's arena over
-        ``[offset, offset + length)``. Each chunk is copied out on the event loop, between
-        two checks that the lease is live, so an evict (which runs on the same loop)
-        never frees the arena under a copy.
+        """Yield ``(offset, message)`` per chunk of the leased model's arena over
+        ``[offset, offset + length)``: ``message`` is the chunk's ``ReadSeedDataResponse``
+        already serialized (:func:`response_bytes`), made with one copy of the arena's
+        bytes. Each chunk is copied out on the event loop, between two checks that the
+        lease is live, so an evict (which runs on the same loop) never frees the arena
+        under a copy.
 
         Raises:
             ModelNotFoundError: the lease ended before or during the stream.
@@ -166,7 +168,7 @@ class SeedServer:
                 entry = self._entry(lease_id)  # checked again after the wait
                 arena = entry.arena
                 assert arena is not None
-            yield cursor, copy_range(arena, cursor, n)
+            yield cursor, response_bytes(arena, cursor, n)
             cursor += n
             sent += n
 
@@ -175,8 +177,25 @@ class SeedServer:
         self.cache.release(lease_id)
 
 
-def copy_range(arena: Arena, offset: int, length: int) -> bytes:
-    """A copy of ``length`` bytes of ``arena`` from byte ``offset``."""
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def response_bytes(arena: Arena, offset: int, length: int) -> bytes:
+    """The serialized ``ReadSeedDataResponse`` of ``length`` bytes of ``arena`` from byte
+    ``offset`` (field 1 ``offset``, varint; field 2 ``data``), the bytes copied once, out
+    of the arena into the message (building the message and serializing it would copy
+    them twice more)."""
+    header = b"\x08" + _varint(offset) + b"\x12" + _varint(length)
     out: list[bytes] = []
-    arena.read_into(Slot("seed", "U8", (length,), offset, length), lambda mv: out.append(bytes(mv)))
-    return out[0] if out else b""
+    slot = Slot("seed", "U8", (length,), offset, length)
+    arena.read_into(slot, lambda mv: out.append(b"".join((header, mv))))
+    return out[0] if out else header

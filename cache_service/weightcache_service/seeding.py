@@ -207,18 +207,25 @@ class Seeder:
             digests = self._check_layout(entry, begun)
             plane: DataPlane = GrpcStreamPlane(channel, self.streams, self.chunk_bytes)
 
-            def write(offset: int, data: bytes) -> None:
+            def write(offset: int, data: memoryview) -> None:
                 def fill(out: memoryview) -> None:
                     out[:] = data
 
                 arena.read_into(Slot("seed", "U8", (len(data),), offset, len(data)), fill)
                 entry.bytes_done = min(entry.bytes_done + len(data), entry.data_bytes)
 
+            pulled = time.monotonic()
             try:
                 plane.pull(begun.lease_id, entry.size, write, lambda: entry.cancelled)
             except TransferError as exc:
                 raise SeedFailedError("transfer", f"from {self.peer}: {exc}") from None
+            verified = time.monotonic()
             self._verify(entry, arena, digests)
+            phases = {
+                "begin_seconds": round(pulled - self._start, 3),
+                "transfer_seconds": round(verified - pulled, 3),
+                "verify_seconds": round(time.monotonic() - verified, 3),
+            }
         finally:
             try:
                 stub = pb_grpc.WeightCacheServiceStub(channel)
@@ -240,6 +247,7 @@ class Seeder:
             bytes=entry.size,
             seconds=round(seconds, 3),
             files_confirmed=entry.files_confirmed,
+            **phases,
         )
         self.events.seeded("seeded", entry.size, seconds)
 

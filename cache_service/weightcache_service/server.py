@@ -65,7 +65,7 @@ from weightcache_service.segments import (
     segment_name,
     segment_prefix,
 )
-from weightcache_service.servicer import WeightCacheServicer
+from weightcache_service.servicer import WeightCacheServicer, register_raw_seed_data
 from weightcache_service.socket_lock import SocketLock, SocketLostError
 from weightcache_service.store import Entry, Store
 
@@ -449,12 +449,11 @@ class Daemon:
         # connection keeps the bound name (getsockname), which is how the servicer
         # tells its connections from others (.peers).
         bound = _bind_path(socket)
-        pb_grpc.add_WeightCacheServiceServicer_to_server(
-            WeightCacheServicer(
-                self.cache, bound, seeds=SeedServer(self.cache, self.config.seed_max_rate)
-            ),
-            server,
+        servicer = WeightCacheServicer(
+            self.cache, bound, seeds=SeedServer(self.cache, self.config.seed_max_rate)
         )
+        pb_grpc.add_WeightCacheServiceServicer_to_server(servicer, server)
+        register_raw_seed_data(server, servicer)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         _enable_reflection(server)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
