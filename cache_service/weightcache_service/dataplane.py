@@ -12,8 +12,9 @@ machine it was not faster than gRPC streaming.
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -38,9 +39,18 @@ class TransferError(Exception):
 class DataPlane(Protocol):
     """Moves a byte range of a peer's arena into the local one, under a transfer lease."""
 
-    def pull(self, lease_id: str, size: int, write: Writer, cancelled: Callable[[], bool]) -> None:
-        """Pull bytes ``[0, size)`` of the arena the lease names, calling ``write`` for
-        each piece (possibly from several threads, never twice for one byte).
+    def pull(
+        self,
+        lease_id: str,
+        ranges: Sequence[tuple[int, int]],
+        write: Writer,
+        cancelled: Callable[[], bool],
+        done: Callable[[int], None] = lambda _index: None,
+    ) -> None:
+        """Pull the ``(offset, length)`` byte ranges of the arena the lease names, calling
+        ``write`` for each piece (possibly from several threads, never twice for one
+        byte) and ``done(i)`` once range ``i`` has been written whole (the caller may then
+        read it, e.g. hash it, while the others arrive).
 
         Raises:
             TransferError: the transfer did not complete (``cancelled()`` turned true
@@ -53,7 +63,7 @@ class GrpcStreamPlane:
 
     Args:
         channel: a channel to the peer (mutual TLS in production).
-        streams: parallel streams (contiguous ranges of about ``size / streams`` bytes).
+        streams: parallel streams.
         chunk_bytes: bytes per message asked of the peer (it caps them at 16 MiB).
     """
 
@@ -73,21 +83,53 @@ class GrpcStreamPlane:
         self.streams = max(1, streams)
         self.chunk_bytes = chunk_bytes
 
-    def pull(self, lease_id: str, size: int, write: Writer, cancelled: Callable[[], bool]) -> None:
-        """See :meth:`DataPlane.pull`.
+    def pull(
+        self,
+        lease_id: str,
+        ranges: Sequence[tuple[int, int]],
+        write: Writer,
+        cancelled: Callable[[], bool],
+        done: Callable[[int], None] = lambda _index: None,
+    ) -> None:
+        """See :meth:`DataPlane.pull`: ``streams`` threads, each calling ReadSeedData for
+        one piece after another; a range is cut into pieces of about a ``streams``-th of
+        the total (whole chunks), so that few large ranges still use every stream.
 
         Raises:
             TransferError: a stream failed (its gRPC status is named), a chunk fell
-                outside its range, a range ended short, or ``cancelled()``.
+                outside its piece, a piece ended short, or ``cancelled()``.
         """
-        step = -(-size // self.streams)
-        step = -(-step // self.chunk_bytes) * self.chunk_bytes  # whole chunks per range
-        ranges = [(lo, min(step, size - lo)) for lo in range(0, size, step)]
+        total = sum(length for _offset, length in ranges)
+        step = max(-(-total // self.streams), 1)
+        step = -(-step // self.chunk_bytes) * self.chunk_bytes  # whole chunks per piece
+        pieces: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
+        left = []
+        for index, (lo, length) in enumerate(ranges):
+            cuts = range(lo, lo + length, step)
+            left.append(len(cuts))
+            for cut in cuts:
+                pieces.put((index, cut, min(step, lo + length - cut)))
+        for index, count in enumerate(left):
+            if count == 0:
+                done(index)  # an empty range
         errors: list[str] = []
         calls: list[Any] = []
         lock = threading.Lock()
 
-        def one(offset: int, length: int) -> None:
+        def worker() -> None:
+            while not errors:
+                try:
+                    index, offset, length = pieces.get_nowait()
+                except queue.Empty:
+                    return
+                if one(offset, length):
+                    with lock:
+                        left[index] -= 1
+                        finished = left[index] == 0
+                    if finished:
+                        done(index)
+
+        def one(offset: int, length: int) -> bool:
             request = pb.ReadSeedDataRequest(
                 lease_id=lease_id, offset=offset, length=length, chunk_bytes=self.chunk_bytes
             )
@@ -110,14 +152,16 @@ class GrpcStreamPlane:
                     cursor += len(data)
                 if cursor != offset + length:
                     raise TransferError(f"range ended at {cursor}, not {offset + length}")
+                return True
             except grpc.RpcError as exc:
                 with lock:
                     errors.append(f"ReadSeedData: {exc.code().name}: {exc.details()}")
             except TransferError as exc:
                 with lock:
                     errors.append(str(exc))
+            return False
 
-        threads = [threading.Thread(target=one, args=r, daemon=True) for r in ranges]
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.streams)]
         for thread in threads:
             thread.start()
         for thread in threads:

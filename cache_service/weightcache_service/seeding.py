@@ -23,10 +23,11 @@ logs why and the model is loaded from its own files.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,16 +216,34 @@ class Seeder:
                 entry.bytes_done = min(entry.bytes_done + len(data), entry.data_bytes)
 
             pulled = time.monotonic()
-            try:
-                plane.pull(begun.lease_id, entry.size, write, lambda: entry.cancelled)
-            except TransferError as exc:
-                raise SeedFailedError("transfer", f"from {self.peer}: {exc}") from None
-            verified = time.monotonic()
-            self._verify(entry, arena, digests)
+            names, ranges = shard_ranges(entry)
+            futures: dict[int, Future[str]] = {}
+            with ThreadPoolExecutor(max_workers=2) as hashers:
+
+                def done(index: int) -> None:
+                    # Hashed as soon as its bytes are in, while the other shards arrive.
+                    futures[index] = hashers.submit(shard_sha256, entry, arena, names[index])
+
+                try:
+                    plane.pull(begun.lease_id, ranges, write, lambda: entry.cancelled, done)
+                except TransferError as exc:
+                    for future in futures.values():
+                        future.cancel()
+                    raise SeedFailedError("transfer", f"from {self.peer}: {exc}") from None
+                verified = time.monotonic()
+                got = {names[i]: future.result() for i, future in sorted(futures.items())}
+            for name in sorted(digests):
+                if got.get(name) != digests[name]:
+                    raise SeedFailedError(
+                        "mismatch",
+                        f"shard {name}: the sha256 of the bytes received, "
+                        f"{got.get(name, '')[:16]}…, is not the peer's full-level digest "
+                        f"{digests[name][:16]}…",
+                    )
             phases = {
                 "begin_seconds": round(pulled - self._start, 3),
                 "transfer_seconds": round(verified - pulled, 3),
-                "verify_seconds": round(time.monotonic() - verified, 3),
+                "verify_after_seconds": round(time.monotonic() - verified, 3),
             }
         finally:
             try:
@@ -281,37 +300,6 @@ class Seeder:
         entry.files_confirmed = set(known) == shards
         return digests
 
-    @staticmethod
-    def _verify(entry: Entry, arena: Arena, digests: dict[str, str]) -> None:
-        """Rebuild every shard file from this daemon's own header bytes and the received
-        tensor bytes, and compare its sha256 with the peer's digest (shards in threads).
-
-        Raises:
-            SeedFailedError: ``mismatch``, naming the first shard that differs.
-        """
-        slots = {slot.name: slot for slot in entry.slots}
-
-        def digest(shard_name: str) -> str:
-            shard = next(s for s in entry.checkpoint.shards if s.name == shard_name)
-            tensors = sorted(shard.tensors, key=lambda t: t.begin)
-            prefix = shard.size - sum(t.nbytes for t in tensors)
-            h = hashlib.sha256(os.pread(entry.checkpoint.fd(shard_name), prefix, 0))
-            for tensor in tensors:
-                slot = slots[tensor.name]
-                arena.read_into(slot, h.update)
-            return h.hexdigest()
-
-        names = sorted(digests)
-        with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
-            got = dict(zip(names, pool.map(digest, names), strict=True))
-        for name in names:
-            if got[name] != digests[name]:
-                raise SeedFailedError(
-                    "mismatch",
-                    f"shard {name}: the sha256 of the bytes received, {got[name][:16]}…, is "
-                    f"not the peer's full-level digest {digests[name][:16]}…",
-                )
-
     def fallback(self, entry: Entry, exc: Exception) -> None:
         """After a failed seed: log why, count it, and reset ``entry`` to be loaded from
         its files (source ``checkpoint``, fingerprint from the hash cache or pending)."""
@@ -341,3 +329,41 @@ class Seeder:
                 entry.checkpoint, entry.pipeline, entry.placement
             )
             entry.file_sha256 = {}
+
+
+def shard_ranges(entry: Entry) -> tuple[list[str], list[tuple[int, int]]]:
+    """The shards by name, and the arena range ``(offset, length)`` holding each one's
+    tensors (their slots lie together, in checkpoint order; the padding between is not
+    pulled: it is zero in both arenas).
+
+    Raises:
+        SeedFailedError: ``unsupported``: a shard holds a tensor the arena does not, or
+            two shards' ranges overlap.
+    """
+    slots = {slot.name: slot for slot in entry.slots}
+    names, ranges = [], []
+    for shard in entry.checkpoint.shards:
+        held = [slots[t.name] for t in shard.tensors if t.name in slots]
+        if len(held) != len(shard.tensors):
+            raise SeedFailedError("unsupported", f"shard {shard.name} is not held whole")
+        lo = min((s.byte_offset for s in held), default=0)
+        hi = max((s.byte_offset + s.nbytes for s in held), default=0)
+        names.append(shard.name)
+        ranges.append((lo, hi - lo))
+    spans = sorted((lo, lo + n) for lo, n in ranges if n)
+    if any(a_hi > b_lo for (_, a_hi), (b_lo, _) in itertools.pairwise(spans)):
+        raise SeedFailedError("unsupported", "the shards' tensors interleave in the arena")
+    return names, ranges
+
+
+def shard_sha256(entry: Entry, arena: Arena, name: str) -> str:
+    """The sha256 of shard file ``name`` rebuilt from this daemon's own header bytes (the
+    file's first bytes, before its tensors) and the tensor bytes in ``arena``."""
+    shard = next(s for s in entry.checkpoint.shards if s.name == name)
+    slots = {slot.name: slot for slot in entry.slots}
+    tensors = sorted(shard.tensors, key=lambda t: t.begin)
+    prefix = shard.size - sum(t.nbytes for t in tensors)
+    h = hashlib.sha256(os.pread(entry.checkpoint.fd(name), prefix, 0))
+    for tensor in tensors:
+        arena.read_into(slots[tensor.name], h.update)
+    return h.hexdigest()
