@@ -23,15 +23,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from tests.security_support import SYSTEM_PATHS, Pki, make_pki
+from tests.support import rpc_failure
 from weightcache.core.errors import PermissionDeniedError, UnauthenticatedError
 from weightcache.testing.checkpoints import make_checkpoints, wait_until_settled
 from weightcache.testing.daemon import Daemon, list_models, short_tempdir, socket_in
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.authz import Policy, refusal
 
 IP = shutil.which("ip", path=SYSTEM_PATHS)
@@ -382,14 +385,7 @@ def test_a_peer_killed_mid_transfer_leaves_the_files_to_load(
     with _running(a_node, serving) as a:
         seeding = [*_seeding_args(pki, link), "--seed-chunk-bytes", "65536"]
         with _running(b_node, seeding, wait=False) as b:
-            deadline = time.monotonic() + 60
-            while True:
-                held = list_models(b.socket) if os.path.exists(b.socket) else []
-                if held and 0 < held[0].progress.bytes_done < held[0].progress.bytes_total:
-                    break
-                assert not held or held[0].state == pb.MODEL_STATE_LOADING, b.log()
-                assert time.monotonic() < deadline, b.log()
-                time.sleep(0.05)
+            _wait_for_progress(b)
             a.kill()
             b.wait_ready(models=1)
             model = _model(b)
@@ -399,6 +395,50 @@ def test_a_peer_killed_mid_transfer_leaves_the_files_to_load(
     assert model.fingerprint.digest == _model_digest(b_node)
     assert failed["result"] == "transfer"
     assert str(failed["why"]).startswith(f"from {link.a_ip}:{PORT}: ReadSeedData: UNAVAILABLE")
+
+
+def _wait_for_progress(b: Daemon) -> None:
+    """Until B's model has some of its bytes, not all."""
+    deadline = time.monotonic() + 60
+    while True:
+        held = list_models(b.socket) if os.path.exists(b.socket) else []
+        if held and 0 < held[0].progress.bytes_done < held[0].progress.bytes_total:
+            return
+        assert not held or held[0].state == pb.MODEL_STATE_LOADING, b.log()
+        assert time.monotonic() < deadline, b.log()
+        time.sleep(0.05)
+
+
+@netns_only
+def test_an_evict_on_the_peer_waits_for_the_transfer_or_revokes_it(
+    room: Path, link: Link, pki: Pki
+) -> None:
+    a_node, b_node = _nodes(room, link, big=True)
+    serving = _serving_args(
+        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "262144"
+    )
+    seeding = [*_seeding_args(pki, link), "--seed-chunk-bytes", "65536"]
+    with _running(a_node, serving) as a, _running(b_node, seeding, wait=False) as b:
+        _wait_for_progress(b)
+        with grpc.insecure_channel(f"unix:{a.socket}") as channel:
+            stub = pb_grpc.WeightCacheServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Evict(pb.EvictRequest(name="big"), timeout=10)
+            stub.Evict(pb.EvictRequest(name="big", force=True), timeout=10)
+        b.wait_ready(models=1)
+        model = _model(b)
+        [failed] = _events(b, SEED_FAILED)
+        held_by_a = list_models(a.socket)
+
+    failure = rpc_failure(refused.value)
+    assert (failure.reason, failure.metadata) == ("LEASES_ACTIVE", {"model": "big", "leases": "1"})
+    assert held_by_a == []
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
+    assert failed["result"] == "transfer"
+    assert str(failed["why"]).startswith(
+        f"from {link.a_ip}:{PORT}: ReadSeedData: NOT_FOUND: the transfer lease ended "
+        "(released, expired, or revoked by an evict or a drain)"
+    )
 
 
 @netns_only

@@ -368,6 +368,8 @@ class WeightCache:
                     load_seconds=entry.load_seconds,
                     create_time=entry.create_time,
                     leases=leases,
+                    source=entry.source,
+                    files_confirmed=entry.files_confirmed,
                 )
             )
         return held
@@ -412,6 +414,11 @@ class WeightCache:
                 arena,
                 held.load_seconds,
             )
+            entry.source, entry.files_confirmed = held.source, held.files_confirmed
+            # What a peer seeding from this daemon is given (seed_serve), when known.
+            known = cached_digests(checkpoint) if fp.level == "full" else {}
+            if len(known) == len(checkpoint.shards):
+                entry.file_sha256 = known
         finally:
             checkpoint.close()
         entry.create_time = held.create_time
