@@ -397,6 +397,39 @@ def test_a_peer_killed_mid_transfer_leaves_the_files_to_load(
     assert str(failed["why"]).startswith(f"from {link.a_ip}:{PORT}: ReadSeedData: UNAVAILABLE")
 
 
+@netns_only
+def test_weightcache_load_seeds_through_the_preload_rpc(room: Path, link: Link, pki: Pki) -> None:
+    assert IP is not None
+    a_node, b_node = _nodes(room, link)
+    serving = _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding")
+    peer = f"{link.a_ip}:{PORT}"
+    tls = _seeding_args(pki, link)[2:]  # the --peer-tls-* files, without --seed-from
+    remote = ["--allow-remote-preload", "--model-root", str(b_node.folder), *tls]
+    with _running(a_node, serving):
+        b = Daemon(
+            socket_in(b_node.folder, "d"),
+            ["--log-format", "json", *remote],
+            b_node.folder / "daemon.log",
+            wrap=[IP, "netns", "exec", b_node.ns],
+            env={"WEIGHTCACHE_HASH_CACHE": str(b_node.folder / "hashes")},
+        )
+        try:
+            b.wait_ready(models=0)
+            load = subprocess.run(
+                [sys.executable, "-m", "weightcache_service.cli", "load", str(b_node.model),
+                 "--seed-from", peer, "--socket", b.socket],
+                capture_output=True, text=True, check=False, timeout=120,
+            )  # fmt: skip
+            model = _model(b)
+        finally:
+            b.stop_and_check()
+            assert _segments(b) == []
+
+    assert load.returncode == 0, load.stderr
+    assert load.stdout == f"sharded READY {model.progress.bytes_total} bytes\n"
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {peer}")
+
+
 def _wait_for_progress(b: Daemon) -> None:
     """Until B's model has some of its bytes, not all."""
     deadline = time.monotonic() + 60

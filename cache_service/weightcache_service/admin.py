@@ -291,6 +291,7 @@ def load(socket: str, args: argparse.Namespace) -> int:
             dtype=args.dtype,
             timeout=args.timeout,
             console=console,
+            seed_from=args.seed_from or "",
         )
     except ModelExistsError as err:
         return _already_held(socket, err.metadata.get("model", ""), args.timeout, err)

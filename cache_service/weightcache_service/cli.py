@@ -9,9 +9,10 @@ Subcommands:
   ``--metrics-listen``: see :mod:`weightcache_service.health` and :mod:`.metrics`.
 - ``ls [--json]``: the models held, their state, load progress, bytes and leases; below,
   why each FAILED one failed. ``--json``: the ListModels reply in the protobuf JSON mapping.
-- ``load PATH|REPO_ID [--revision R] [--dtype D]``: ask the running daemon to preload a
-  checkpoint (Preload RPC; the daemon needs ``--allow-remote-preload``), with a progress
-  bar on stderr; exits 0 once READY (:mod:`weightcache_service.load_command`).
+- ``load PATH|REPO_ID [--revision R] [--dtype D] [--seed-from PEER]``: ask the running
+  daemon to preload a checkpoint (Preload RPC; the daemon needs ``--allow-remote-preload``;
+  seeded from the peer daemon PEER first, docs/seeding.md), with a progress bar on stderr;
+  exits 0 once READY (:mod:`weightcache_service.load_command`).
 - ``health [--readiness|--liveness]``: exit 0 only when the daemon is ready (every
   required model READY), or with ``--liveness`` when its event loop answers (exec probes).
 - ``info [--json]``: versions, backend and memory of the daemon.
@@ -281,6 +282,12 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("model", metavar="PATH|REPO_ID")
     load.add_argument("--revision", default=None, help="Hub branch, tag or commit (default main)")
     load.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32, F64")
+    load.add_argument(
+        "--seed-from",
+        default=None,
+        metavar="HOST:PORT",
+        help="have the daemon seed it from this peer daemon first (its --peer-tls-* files)",
+    )
     load.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     _client_arguments(load, timeout=None)
     health = sub.add_parser("health", help="exit 0 when ready (or, --liveness, alive)")

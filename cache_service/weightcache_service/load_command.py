@@ -29,14 +29,17 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.hub import resolve_model
 
 
-def preload_request(model: str, revision: str | None, dtype: str | None) -> pb.PreloadRequest:
-    """The Preload request for a path or Hub repo id (resolved in the local Hub cache).
+def preload_request(
+    model: str, revision: str | None, dtype: str | None, seed_from: str = ""
+) -> pb.PreloadRequest:
+    """The Preload request for a path or Hub repo id (resolved in the local Hub cache),
+    seeded from the peer daemon ``seed_from`` (``HOST:PORT``) when given.
 
     Raises:
         InvalidCheckpointError: ``model`` is neither a path nor a cached Hub repo.
     """
     path = os.path.realpath(resolve_model(model, revision))
-    return pb.PreloadRequest(path=path, recipe=pb.Recipe(dtype=dtype or ""))
+    return pb.PreloadRequest(path=path, recipe=pb.Recipe(dtype=dtype or ""), seed_from=seed_from)
 
 
 def follow(replies: Iterable[pb.PreloadResponse], console: Console) -> pb.PreloadResponse:
@@ -72,8 +75,10 @@ def run_load(
     dtype: str | None,
     timeout: float | None,
     console: Console,
+    seed_from: str = "",
 ) -> pb.PreloadResponse:
-    """Preload ``model`` on the daemon at ``socket`` and follow it to the end.
+    """Preload ``model`` on the daemon at ``socket`` and follow it to the end (seeded from
+    the peer daemon ``seed_from`` first, when given: docs/seeding.md).
 
     Returns:
         The last progress message (READY).
@@ -86,7 +91,7 @@ def run_load(
             ``MODEL_EXISTS``, ``RESOURCE_EXHAUSTED``, ``MODEL_FAILED``...).
         DaemonUnavailableError: no daemon answered, or ``timeout`` seconds passed.
     """
-    request = preload_request(model, revision, dtype)
+    request = preload_request(model, revision, dtype, seed_from)
     channel, stub = connect(socket)
     with channel:
         return call(lambda: follow(stub.Preload(request, timeout=timeout), console))
