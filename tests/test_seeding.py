@@ -302,9 +302,11 @@ def _model(daemon: Daemon) -> pb.Model:
 def test_seeds_a_sharded_checkpoint_from_the_peer(room: Path, link: Link, pki: Pki) -> None:
     a_node, b_node = _nodes(room, link)
     serving = _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding")
-    with _running(a_node, serving) as a, _running(b_node, _seeding_args(pki, link)) as b:
+    seeding = [*_seeding_args(pki, link), "--metrics-listen", f"127.0.0.1:{METRICS_PORT}"]
+    with _running(a_node, serving) as a, _running(b_node, seeding) as b:
         model = _model(b)
         [seeded] = _events(b, "seeded")
+        metrics = _seed_metrics(b_node)
         ls = subprocess.run(
             [sys.executable, "-m", "weightcache_service.cli", "ls", "--socket", b.socket],
             capture_output=True,
@@ -327,6 +329,34 @@ def test_seeds_a_sharded_checkpoint_from_the_peer(room: Path, link: Link, pki: P
     assert row.endswith(f"peer {peer}")
     assert worker == {"source": "cache", "tensors": 9}
     assert leases_on_a == 0  # EndSeed released the transfer lease
+    assert metrics["seeded"] == 1.0
+    assert metrics["bytes"] == float(model.size_bytes)
+    assert metrics["seconds"] > 0
+
+
+METRICS_PORT = 9464
+
+
+def _seed_metrics(node: Node) -> dict[str, float]:
+    """The seed metrics of the daemon of ``node``, scraped from inside its namespace:
+    ``weightcache_seeds_total`` by result, ``bytes`` and ``seconds``."""
+    assert IP is not None
+    url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+    script = f"import urllib.request; print(urllib.request.urlopen({url!r}).read().decode())"
+    done = subprocess.run(
+        [IP, "netns", "exec", node.ns, sys.executable, "-c", script],
+        capture_output=True, text=True, check=True, timeout=30,
+    )  # fmt: skip
+    found: dict[str, float] = {}
+    for line in done.stdout.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith('weightcache_seeds_total{result="'):
+            found[name.split('"')[1]] = float(value)
+        elif name == "weightcache_seeded_bytes_total":
+            found["bytes"] = float(value)
+        elif name == "weightcache_seed_seconds_total":
+            found["seconds"] = float(value)
+    return found
 
 
 def _model_digest(node: Node) -> str:
@@ -347,10 +377,12 @@ def test_a_lying_peer_is_refused_and_the_files_loaded(room: Path, link: Link, pk
             first = fh.read(1)
             fh.seek(0)
             fh.write(bytes([first[0] ^ 0xFF]))
-        with _running(b_node, _seeding_args(pki, link)) as b:
+        seeding = [*_seeding_args(pki, link), "--metrics-listen", f"127.0.0.1:{METRICS_PORT}"]
+        with _running(b_node, seeding) as b:
             model = _model(b)
             [failed] = _events(b, SEED_FAILED)
             worker = _worker_in(b_node, b)
+            metrics = _seed_metrics(b_node)
 
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
     assert model.fingerprint.digest == _model_digest(b_node)
@@ -362,6 +394,8 @@ def test_a_lying_peer_is_refused_and_the_files_loaded(room: Path, link: Link, pk
     assert why.endswith("is not the peer's full-level digest " + _shard_sha(b_node)[:16] + "…")
     assert _events(b, "seeded") == []
     assert worker == {"source": "cache", "tensors": 9}
+    assert (metrics["mismatch"], metrics["bytes"]) == (1.0, 0.0)
+    assert "seeded" not in metrics
 
 
 def _shard_sha(node: Node) -> str:
