@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup native protos check-protos released-contract lint test test-node node-deps demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm promtool
+.PHONY: setup native protos check-protos released-contract lint test test-node node-deps demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm promtool seed-deps bench-seed
 
 # torch first, pinned to the release this project is tested with: asked for by a dependency
 # with a loose range, pip would pull a multi-GB CUDA build instead.
@@ -122,7 +122,26 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json | node-dep
 test-node: $(STAMP) node-deps $(NODE_STAMP)
 	cd $(NODE_DIR) && WEIGHTCACHE_PYTHON=$(abspath $(PY)) node --test test/*.test.mjs
 
-test: $(STAMP) cpp native check-protos lint test-node promtool
+# What tests/test_seeding.py needs beyond the venv: the ip command (iproute2) to make its
+# network namespaces and veth pair, and the openssl command for its test certificates
+# (used when the cryptography package is absent). Installs only what is missing (apt-get,
+# as root or through sudo); elsewhere it says what to install. The namespace tests skip,
+# saying why, when not run as root.
+SEED_APT := iproute2 openssl
+
+seed-deps:
+	@if ! command -v dpkg-query >/dev/null; then \
+		echo "seed-deps: not a Debian system; install the equivalents of: $(SEED_APT)"; exit 0; fi; \
+	missing=""; for p in $(SEED_APT); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" \
+			|| missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "seed-deps: installing$$missing"; \
+		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			$$sudo apt-get install -y -qq --no-install-recommends $$missing; fi
+
+test: $(STAMP) cpp native check-protos lint test-node promtool seed-deps
 	$(PY) -m pytest
 
 # promtool, for tests/test_operators.py's `promtool check rules` on
@@ -176,6 +195,11 @@ bench: $(BENCH_STAMP)
 
 bench-attach: $(STAMP)
 	$(PY) bench/attach_vs_disk.py
+
+# Seeding between two network namespaces (issue 30): root, iproute2; about 2 GiB of /dev/shm
+# per daemon and of disk.
+bench-seed: $(STAMP) seed-deps
+	$(PY) bench/seed.py
 
 # The C++ worker (examples/cpp/), built with the distribution's compiler, CMake, gRPC and
 # protobuf. cpp-deps installs the Debian packages that are missing (apt-get, as root or

@@ -47,7 +47,10 @@ def daemon(module_daemons: DaemonPool, checkpoints: Checkpoints) -> Daemon:
 def _ls_rows(socket: str) -> list[dict[str, str]]:
     result = run_cli("ls", "--socket", socket)
     assert (result.returncode, result.stderr) == (0, "")
-    header, *rows = (line.split() for line in result.stdout.splitlines())
+    lines = result.stdout.splitlines()
+    header = lines[0].split()
+    # SOURCE, last, may hold a space ("peer HOST:PORT").
+    rows = [line.split(maxsplit=len(header) - 1) for line in lines[1:]]
     assert header == [
         "NAME",
         "STATE",
@@ -57,6 +60,7 @@ def _ls_rows(socket: str) -> list[dict[str, str]]:
         "LEASES",
         "DTYPE",
         "FINGERPRINT",
+        "SOURCE",
     ]
     return [dict(zip(header, row, strict=True)) for row in rows]
 
@@ -94,6 +98,7 @@ def test_ls_lists_model_state_and_leases(
         "LEASES": "1",
         "DTYPE": "-",
         "FINGERPRINT": model.fingerprint.digest[:16],
+        "SOURCE": "checkpoint",
     }
     assert worker.request("close", key="w")["ok"]
     [row] = _ls_rows(daemon.socket)

@@ -1160,6 +1160,9 @@ ALL_RPCS = (
     "ListLeases",
 )
 READ_ONLY = ("ServerReflectionInfo", "GetServerInfo", "ListModels", "GetModel")
+#: Seeding's RPCs (rule Need.SEED: --allow-seeding, then an authenticated peer), whose
+#: refusals tests/test_seeding.py checks, between daemons in two network namespaces.
+SEED_RPCS = ("BeginSeed", "ReadSeedData", "EndSeed")
 
 
 def _served(*, acquire: str = "OK") -> dict[str, str]:
@@ -1263,7 +1266,7 @@ def test_every_rpc_has_an_authorization_rule() -> None:
     service = pb.DESCRIPTOR.services_by_name["WeightCacheService"]
     methods = {f"/{service.full_name}/{m.name}" for m in service.methods}
     assert methods <= set(RULES)
-    assert {m.rpartition("/")[2] for m in RULES} == {*ALL_RPCS, "Watch"}
+    assert {m.rpartition("/")[2] for m in RULES} == {*ALL_RPCS, *SEED_RPCS, "Watch"}
 
 
 def test_unix_socket_peer_may_call_every_rpc(fleet: Fleet) -> None:

@@ -146,7 +146,20 @@ def ls(socket: str, timeout: float, as_json: bool) -> int:
     if as_json:
         _print_json(reply)
         return 0
-    rows = [("NAME", "STATE", "PROGRESS", "SIZE", "TENSORS", "LEASES", "DTYPE", "FINGERPRINT")]
+    # SOURCE last: "peer HOST:PORT" holds a space.
+    rows = [
+        (
+            "NAME",
+            "STATE",
+            "PROGRESS",
+            "SIZE",
+            "TENSORS",
+            "LEASES",
+            "DTYPE",
+            "FINGERPRINT",
+            "SOURCE",
+        )
+    ]
     for m in reply.models:
         state = pb.ModelState.Name(m.state).removeprefix("MODEL_STATE_")
         rows.append(
@@ -159,6 +172,7 @@ def ls(socket: str, timeout: float, as_json: bool) -> int:
                 str(m.lease_count),
                 m.recipe.dtype or "-",
                 m.fingerprint.digest[:16],
+                m.source or "checkpoint",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -277,6 +291,7 @@ def load(socket: str, args: argparse.Namespace) -> int:
             dtype=args.dtype,
             timeout=args.timeout,
             console=console,
+            seed_from=args.seed_from or "",
         )
     except ModelExistsError as err:
         return _already_held(socket, err.metadata.get("model", ""), args.timeout, err)

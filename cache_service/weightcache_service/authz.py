@@ -40,6 +40,8 @@ class Need(enum.Enum):
     ANYONE = "anyone"  #: health: load balancers and kubelet probes have no credentials
     INFO = "info"  #: read-only; unauthenticated TCP only with --allow-unauthenticated-info
     AUTHENTICATED = "authenticated"  #: leases, loading and eviction
+    #: seeding a peer: --allow-seeding, then an authenticated peer (docs/seeding.md)
+    SEED = "seed"
 
 
 _SERVICE = "/weightcache.v1.WeightCacheService/"
@@ -58,6 +60,9 @@ RULES: dict[str, Need] = {
     _SERVICE + "Evict": Need.AUTHENTICATED,
     _SERVICE + "Preload": Need.AUTHENTICATED,
     _SERVICE + "ListLeases": Need.AUTHENTICATED,
+    _SERVICE + "BeginSeed": Need.SEED,
+    _SERVICE + "ReadSeedData": Need.SEED,
+    _SERVICE + "EndSeed": Need.SEED,
 }
 
 #: auth_context() keys of a verified client certificate's names (grpc/grpc_security_constants.h).
@@ -73,11 +78,14 @@ class Policy:
         subjects: certificate names allowed (``--tls-client-subject``); empty: any
             certificate the CA signed.
         unauthenticated_info: unauthenticated TCP peers may call the read-only RPCs.
+        allow_seeding: ``--allow-seeding``: authenticated peers may seed from this daemon
+            (BeginSeed, ReadSeedData, EndSeed); off, everyone is refused them.
     """
 
     mutual_tls: bool = False
     subjects: frozenset[str] = frozenset()
     unauthenticated_info: bool = False
+    allow_seeding: bool = False
 
 
 def certificate_names(context: grpc.aio.ServicerContext[Any, Any]) -> set[str]:
@@ -105,6 +113,12 @@ def refusal(method: str, policy: Policy, peer: str, names: set[str]) -> WeightCa
         ``metadata["method"]`` names the method.
     """
     need = RULES.get(method, Need.AUTHENTICATED)
+    name = method.rpartition("/")[2]
+    if need is Need.SEED and not policy.allow_seeding:
+        return PermissionDeniedError(
+            f"{name} refused: seeding is off on this daemon (started without --allow-seeding)",
+            metadata={"method": name},
+        )
     if need is Need.ANYONE or peer_is_unix(peer):
         return None
     certified = policy.mutual_tls and bool(names)
@@ -112,7 +126,6 @@ def refusal(method: str, policy: Policy, peer: str, names: set[str]) -> WeightCa
         return None
     if need is Need.INFO and policy.unauthenticated_info:
         return None
-    name = method.rpartition("/")[2]
     if certified:
         return PermissionDeniedError(
             f"{name} refused: the client certificate ({', '.join(sorted(names))}) names no "

@@ -66,6 +66,9 @@ from weightcache_service.store import Entry, Refusal, Store, clip
 
 log = structlog.get_logger("weightcache.daemon")
 
+#: ``(cert, key, ca)``: PEM paths of the mutual-TLS identity used towards peers.
+PeerTlsFiles = tuple[str, str, str]
+
 #: What a KeepAlive session is sent: statuses of some of its leases; None ends it.
 Outbox = asyncio.Queue[list[LeaseStatus] | None]
 
@@ -89,6 +92,11 @@ class CacheEvents:
         malformed or missing checkpoint, a recipe that cannot apply, the memory budget
         (``reason``: the error's)."""
 
+    def seeded(self, result: str, nbytes: int, seconds: float) -> None:
+        """A seed from a peer ended: ``result`` is ``seeded``, or why the model is loaded
+        from its files instead (:mod:`.seeding`); ``nbytes`` bytes made READY seeded (0
+        otherwise) in ``seconds``."""
+
     def lease_expired(self) -> None:
         """A lease ended by its TTL."""
 
@@ -106,12 +114,18 @@ class ServiceOptions:
         drain_timeout: seconds lease holders get after REVOKING (a forced Evict, or a
             drain at SIGTERM) before the memory is freed.
         allowed_plugins: recipe plugins a remote Preload may name.
+        peer_tls: ``(cert, key, ca)`` PEM paths for seeding from peers (mutual TLS).
     """
 
     allow_remote_preload: bool = False
     model_roots: list[Path] = field(default_factory=list)
     drain_timeout: float = 30.0
     allowed_plugins: frozenset[str] = frozenset()
+    #: ``--peer-tls-cert/--peer-tls-key/--peer-tls-ca``: what a seed presents to a peer.
+    peer_tls: PeerTlsFiles | None = None
+    #: Parallel data-plane streams and bytes per chunk of a seed (:mod:`.dataplane`).
+    seed_streams: int = 4
+    seed_chunk_bytes: int = 4 << 20
 
 
 class WeightCache:
@@ -168,8 +182,10 @@ class WeightCache:
         *,
         confine: bool = False,
         name: str | None = None,
+        seed_from: str = "",
     ) -> tuple[Entry, asyncio.Task[None]]:
-        """Validate and fingerprint a checkpoint (off the event loop), then start loading it.
+        """Validate and fingerprint a checkpoint (off the event loop), then start loading it
+        (from the peer daemon ``seed_from`` first, when given: :mod:`.seeding`).
 
         At level ``full``, shards the hash cache does not know are hashed during the load:
         the entry's fingerprint is pending until then, and a load that then turns out to
@@ -193,7 +209,7 @@ class WeightCache:
         """
 
         try:
-            return await self._begin_load(path, recipe, placement, level, confine, name)
+            return await self._begin_load(path, recipe, placement, level, confine, name, seed_from)
         except ModelExistsError:
             raise  # nothing to load: not a refusal
         except WeightCacheError as err:
@@ -211,6 +227,7 @@ class WeightCache:
         level: Level,
         confine: bool,
         name: str | None,
+        seed_from: str,
     ) -> tuple[Entry, asyncio.Task[None]]:
         def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
             # Confinement is checked on each file as opened: a path checked before the
@@ -268,8 +285,30 @@ class WeightCache:
         except BaseException:
             checkpoint.close()
             raise
-        log.info("loading", model=entry.name, path=str(checkpoint.root), bytes=entry.size)
-        task = asyncio.create_task(asyncio.to_thread(self.store.load, entry))
+        if not fp.pending and level == "full":
+            entry.file_sha256 = cached_digests(checkpoint)
+        log.info(
+            "loading",
+            model=entry.name,
+            path=str(checkpoint.root),
+            bytes=entry.size,
+            **({"seed_from": seed_from} if seed_from else {}),
+        )
+        if seed_from:
+            from weightcache_service.seeding import PeerTls, Seeder
+
+            tls = PeerTls(*self.options.peer_tls) if self.options.peer_tls else None
+            seeder = Seeder(
+                seed_from,
+                tls,
+                self.events,
+                self.options.seed_streams,
+                self.options.seed_chunk_bytes,
+            )
+            load = asyncio.to_thread(self.store.load_seeded, entry, seeder.seed, seeder.fallback)
+        else:
+            load = asyncio.to_thread(self.store.load, entry)
+        task = asyncio.create_task(load)
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
         task.add_done_callback(lambda _t: self._finished(entry))
@@ -356,6 +395,8 @@ class WeightCache:
                     load_seconds=entry.load_seconds,
                     create_time=entry.create_time,
                     leases=leases,
+                    source=entry.source,
+                    files_confirmed=entry.files_confirmed,
                 )
             )
         return held
@@ -400,6 +441,11 @@ class WeightCache:
                 arena,
                 held.load_seconds,
             )
+            entry.source, entry.files_confirmed = held.source, held.files_confirmed
+            # What a peer seeding from this daemon is given (seed_serve), when known.
+            known = cached_digests(checkpoint) if fp.level == "full" else {}
+            if len(known) == len(checkpoint.shards):
+                entry.file_sha256 = known
         finally:
             checkpoint.close()
         entry.create_time = held.create_time

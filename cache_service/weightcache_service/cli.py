@@ -10,9 +10,10 @@ Subcommands:
   ``--metrics-listen``: see :mod:`weightcache_service.health` and :mod:`.metrics`.
 - ``ls [--json]``: the models held, their state, load progress, bytes and leases; below,
   why each FAILED one failed. ``--json``: the ListModels reply in the protobuf JSON mapping.
-- ``load PATH|REPO_ID [--revision R] [--dtype D]``: ask the running daemon to preload a
-  checkpoint (Preload RPC; the daemon needs ``--allow-remote-preload``), with a progress
-  bar on stderr; exits 0 once READY (:mod:`weightcache_service.load_command`).
+- ``load PATH|REPO_ID [--revision R] [--dtype D] [--seed-from PEER]``: ask the running
+  daemon to preload a checkpoint (Preload RPC; the daemon needs ``--allow-remote-preload``;
+  seeded from the peer daemon PEER first, docs/seeding.md), with a progress bar on stderr;
+  exits 0 once READY (:mod:`weightcache_service.load_command`).
 - ``health [--readiness|--liveness]``: exit 0 only when the daemon is ready (every
   required model READY), or with ``--liveness`` when its event loop answers (exec probes).
 - ``info [--json]``: versions, backend and memory of the daemon.
@@ -219,6 +220,38 @@ def _parser() -> argparse.ArgumentParser:
         "--insecure", action="store_true", help="plaintext TCP, loopback addresses only"
     )
     daemon.add_argument(
+        "--allow-seeding",
+        action="store_true",
+        help="let authenticated peers (mutual TLS) seed READY models from this daemon",
+    )
+    daemon.add_argument(
+        "--seed-from",
+        default=None,
+        metavar="HOST:PORT",
+        help="fill the start-up models from this peer daemon, verified; else load from files",
+    )
+    daemon.add_argument("--peer-tls-cert", default=None, metavar="PEM", help="seeding: our cert")
+    daemon.add_argument("--peer-tls-key", default=None, metavar="PEM", help="seeding: our key")
+    daemon.add_argument(
+        "--peer-tls-ca", default=None, metavar="PEM", help="seeding: CA of the peers' certificates"
+    )
+    daemon.add_argument(
+        "--seed-streams", type=int, default=4, help="parallel streams of a seed (default 4)"
+    )
+    daemon.add_argument(
+        "--seed-chunk-bytes",
+        type=int,
+        default=4 << 20,
+        help="bytes per message of a seed (default 4 MiB, at most 16 MiB)",
+    )
+    daemon.add_argument(
+        "--seed-max-rate",
+        type=float,
+        default=0.0,
+        metavar="BYTES",
+        help="bytes per second each stream served to a seeding peer may carry (0: no limit)",
+    )
+    daemon.add_argument(
         "--health-listen",
         default=None,
         metavar="HOST:PORT",
@@ -254,6 +287,12 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("model", metavar="PATH|REPO_ID")
     load.add_argument("--revision", default=None, help="Hub branch, tag or commit (default main)")
     load.add_argument("--dtype", default=None, help="cast floating tensors: BF16, F16, F32, F64")
+    load.add_argument(
+        "--seed-from",
+        default=None,
+        metavar="HOST:PORT",
+        help="have the daemon seed it from this peer daemon first (its --peer-tls-* files)",
+    )
     load.add_argument(
         "--log-level", choices=LOG_LEVELS, default="warning", help="lowest level logged"
     )
@@ -387,6 +426,16 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
     if args.drain_timeout is not None and args.drain_timeout < 0:
         print("weightcache preload: --drain-timeout must not be negative", file=sys.stderr)
         return EXIT_USAGE
+    peer_tls = (args.peer_tls_cert, args.peer_tls_key, args.peer_tls_ca)
+    if any(peer_tls) and not all(peer_tls):
+        print(
+            "weightcache preload: --peer-tls-cert, --peer-tls-key and --peer-tls-ca go together",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.allow_seeding and args.listen is None:
+        print("weightcache preload: --allow-seeding needs --listen", file=sys.stderr)
+        return EXIT_USAGE
     if args.allow_remote_preload and not args.model_root:
         print(
             "weightcache preload: --allow-remote-preload needs at least one --model-root",
@@ -425,6 +474,7 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
                     level,
                     path in required,
                     name=name,
+                    seed_from=args.seed_from or "",
                 )
                 for path, name in named
                 for rank in ranks
@@ -434,7 +484,12 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
                 model_roots=model_roots(args.model_root),
                 **({} if args.drain_timeout is None else {"drain_timeout": args.drain_timeout}),
                 allowed_plugins=frozenset(args.allow_recipe),
+                peer_tls=peer_tls if all(peer_tls) else None,
+                seed_streams=max(1, args.seed_streams),
+                seed_chunk_bytes=min(max(args.seed_chunk_bytes, 64 << 10), 16 << 20),
             ),
+            allow_seeding=args.allow_seeding,
+            seed_max_rate=args.seed_max_rate,
             budget=MemoryBudget(
                 max_bytes=max_bytes,
                 percent=percent,

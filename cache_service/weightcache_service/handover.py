@@ -80,6 +80,10 @@ class HeldModel:
         fingerprint: the model's fingerprint.
         load_seconds, create_time: as the old daemon reported them.
         leases: its live leases.
+        source: where its bytes came from (``checkpoint``, ``peer HOST:PORT``).
+        files_confirmed: whether its bytes are known to be its files' (False for a model
+            seeded from a peer without the local hash cache's confirmation: then no
+            Acquire by file identity matches it, in the successor either).
     """
 
     name: str
@@ -93,6 +97,8 @@ class HeldModel:
     load_seconds: float
     create_time: float
     leases: tuple[HeldLease, ...]
+    source: str = "checkpoint"
+    files_confirmed: bool = True
 
 
 def manifest_path(socket: str) -> str:
@@ -225,6 +231,8 @@ def _model_json(model: HeldModel) -> dict[str, Any]:
         "load_seconds": model.load_seconds,
         "create_time": model.create_time,
         "leases": [asdict(lease) for lease in model.leases],
+        "source": model.source,
+        "files_confirmed": model.files_confirmed,
     }
 
 
@@ -247,4 +255,6 @@ def _model_from_json(item: dict[str, Any]) -> HeldModel:
             HeldLease(str(x["lease_id"]), float(x["ttl"]), str(x["request_id"]), int(x["pid"]))
             for x in item["leases"]
         ),
+        source=str(item.get("source", "checkpoint")),
+        files_confirmed=item.get("files_confirmed", True) is True,
     )

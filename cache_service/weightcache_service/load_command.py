@@ -30,12 +30,15 @@ from weightcache.core.rpc import call, connect
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
 
-def preload_request(model: str, revision: str | None, dtype: str | None) -> pb.PreloadRequest:
+def preload_request(
+    model: str, revision: str | None, dtype: str | None, seed_from: str = ""
+) -> pb.PreloadRequest:
     """The Preload request for a path, or a Hub repo id: then ``repo_id`` and
     ``revision``, which the daemon resolves in its own Hub cache and names the model
     after; with ``path`` too, the snapshot this command finds in the local Hub cache, for
     a daemon older than those fields (a repo id not found there is sent alone: the
     daemon's cache may hold it).
+    Seeded from the peer daemon ``seed_from`` (``HOST:PORT``) when given.
 
     Raises:
         InvalidCheckpointError: ``model`` is neither a path nor of the form of a repo id
@@ -49,14 +52,20 @@ def preload_request(model: str, revision: str | None, dtype: str | None) -> pb.P
         if os.path.isabs(model) or repo_id.count("/") != 1:
             raise
         # Not in this command's Hub cache: the daemon's may hold it (its answer says).
-        return pb.PreloadRequest(repo_id=repo_id, revision=revision or named or "", recipe=recipe)
+        return pb.PreloadRequest(
+            repo_id=repo_id,
+            revision=revision or named or "",
+            recipe=recipe,
+            seed_from=seed_from,
+        )
     if found is None:
-        return pb.PreloadRequest(path=os.path.realpath(model), recipe=recipe)
+        return pb.PreloadRequest(path=os.path.realpath(model), recipe=recipe, seed_from=seed_from)
     return pb.PreloadRequest(
         path=os.path.realpath(found.path),
         repo_id=found.repo_id,
         revision=found.revision or "",
         recipe=recipe,
+        seed_from=seed_from,
     )
 
 
@@ -93,8 +102,10 @@ def run_load(
     dtype: str | None,
     timeout: float | None,
     console: Console,
+    seed_from: str = "",
 ) -> pb.PreloadResponse:
-    """Preload ``model`` on the daemon at ``socket`` and follow it to the end.
+    """Preload ``model`` on the daemon at ``socket`` and follow it to the end (seeded from
+    the peer daemon ``seed_from`` first, when given: docs/seeding.md).
 
     Returns:
         The last progress message (READY).
@@ -107,7 +118,7 @@ def run_load(
             ``MODEL_EXISTS``, ``RESOURCE_EXHAUSTED``, ``MODEL_FAILED``...).
         DaemonUnavailableError: no daemon answered, or ``timeout`` seconds passed.
     """
-    request = preload_request(model, revision, dtype)
+    request = preload_request(model, revision, dtype, seed_from)
     channel, stub = connect(socket)
     with channel:
         return call(lambda: follow(stub.Preload(request, timeout=timeout), console))

@@ -150,6 +150,23 @@ class Metrics(CacheEvents):
             "Leases revoked (forced evict, drain).",
             registry=self.registry,
         )
+        self.seeds = Counter(
+            "weightcache_seeds",
+            "Seeds from a peer by result (seeded; else why the model was loaded from its "
+            "files instead: refused, layout, mismatch, transfer, unsupported).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.seeded_bytes = Counter(
+            "weightcache_seeded_bytes",
+            "Bytes pulled from peers into models that became READY seeded.",
+            registry=self.registry,
+        )
+        self.seed_seconds = Counter(
+            "weightcache_seed_seconds",
+            "Seconds spent seeding from peers (successful or not).",
+            registry=self.registry,
+        )
         self.registry.register(_Gauges(self))
         # process_* (resident and virtual memory, CPU seconds, start time, open and max
         # file descriptors), as the default registry has them: this registry is our own.
@@ -178,6 +195,13 @@ class Metrics(CacheEvents):
     def preload_refused(self, reason: str) -> None:
         """Count a preload refused before its load began."""
         self.preloads.labels("refused", reason).inc()
+
+    def seeded(self, result: str, nbytes: int, seconds: float) -> None:
+        """Count a seed attempt: ``result`` (``seeded`` or why not), the ``nbytes`` bytes
+        it made READY (0 unless seeded), and its ``seconds``."""
+        self.seeds.labels(result).inc()
+        self.seeded_bytes.inc(nbytes)
+        self.seed_seconds.inc(seconds)
 
     def lease_expired(self) -> None:
         """Count a lease ended by its TTL."""

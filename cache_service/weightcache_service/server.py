@@ -17,7 +17,7 @@ import os
 import resource
 import signal
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -59,6 +59,7 @@ from weightcache_service.health import Health, HealthListener
 from weightcache_service.leases import LeaseTable
 from weightcache_service.metrics import Metrics, MetricsListener
 from weightcache_service.notify import Notifier
+from weightcache_service.seed_serve import SeedServer
 from weightcache_service.segments import (
     Skipped,
     handover_name,
@@ -67,7 +68,7 @@ from weightcache_service.segments import (
     segment_name,
     segment_prefix,
 )
-from weightcache_service.servicer import WeightCacheServicer
+from weightcache_service.servicer import WeightCacheServicer, register_raw_seed_data
 from weightcache_service.socket_lock import SocketLock, SocketLostError
 from weightcache_service.store import Entry, Store
 
@@ -182,6 +183,8 @@ class PreloadSpec:
     fingerprint_level: Level = DEFAULT_LEVEL
     required: bool = True
     name: str | None = None
+    #: ``--seed-from``: the peer daemon (``HOST:PORT``) to seed it from first.
+    seed_from: str = ""
 
 
 @dataclass
@@ -203,6 +206,9 @@ class DaemonConfig:
         hand_over: ``--hand-over``: SIGTERM hands the arenas and leases over to the next
             daemon on the socket (as SIGUSR2 always does) instead of draining.
         argv: the command line it was started with (logged at start).
+        allow_seeding: ``--allow-seeding``: authenticated peers may seed from it.
+        seed_max_rate: ``--seed-max-rate``: bytes per second per seed stream served (0:
+            no limit).
     """
 
     socket: str
@@ -217,6 +223,8 @@ class DaemonConfig:
     metrics_listen: str | None = None
     hand_over: bool = False
     argv: list[str] = field(default_factory=list)
+    allow_seeding: bool = False
+    seed_max_rate: float = 0.0
 
 
 class Daemon:
@@ -454,10 +462,11 @@ class Daemon:
         """A gRPC server with every service, the interceptors and the given connection
         options (the Unix socket's and ``--listen``'s differ only by those)."""
         tcp = self.config.tcp
+        policy = replace(tcp.policy if tcp else Policy(), allow_seeding=self.config.allow_seeding)
         server = grpc.aio.server(
             # Outermost first: a peer is authorized before its request is even judged.
             interceptors=[
-                AuthorizationInterceptor(tcp.policy if tcp else Policy()),
+                AuthorizationInterceptor(policy),
                 StatusGuard(f"/{SERVICE_NAME}/"),
             ],
             options=[
@@ -468,6 +477,7 @@ class Daemon:
             ],
         )
         pb_grpc.add_WeightCacheServiceServicer_to_server(servicer, server)
+        register_raw_seed_data(server, servicer)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         _enable_reflection(server)
         return server
@@ -479,7 +489,9 @@ class Daemon:
         # connection keeps the bound name (getsockname), which is how the servicer
         # tells its connections from others (.peers).
         bound = _bind_path(socket)
-        servicer = WeightCacheServicer(self.cache, bound)
+        servicer = WeightCacheServicer(
+            self.cache, bound, seeds=SeedServer(self.cache, self.config.seed_max_rate)
+        )
         server = self._grpc_server(servicer, CONNECTION_OPTIONS)
         if self.config.tcp is not None:
             tcp_server = self._grpc_server(servicer, tcp_server_options(self._tcp_bound))
@@ -632,7 +644,12 @@ class Daemon:
         for spec in cfg.preload:
             try:
                 entry, task = await self.cache.begin_load(
-                    spec.path, spec.recipe, spec.placement, spec.fingerprint_level, name=spec.name
+                    spec.path,
+                    spec.recipe,
+                    spec.placement,
+                    spec.fingerprint_level,
+                    name=spec.name,
+                    seed_from=spec.seed_from,
                 )
                 tasks.append(task)
                 if spec.required:

@@ -18,12 +18,14 @@ import grpc
 
 from weightcache.core.errors import (
     FingerprintMismatchError,
+    InvalidArgumentError,
     ModelLoadingError,
     ModelNotFoundError,
     NotSameHostError,
     WeightCacheError,
 )
 from weightcache.core.protocol import (
+    MAX_COMPONENTS,
     MAX_ID_CHARS,
     MAX_LEASES_PER_REQUEST,
     MAX_PATH_CHARS,
@@ -39,6 +41,7 @@ from weightcache.core.protocol import (
     progress_pb,
     recipe_from_pb,
     server_info_pb,
+    tensor_view_pb,
     tensor_views_pb,
     unlinked_arena_pb,
 )
@@ -46,10 +49,12 @@ from weightcache.core.records import Grant, TensorFormat, TensorView, WorkerDesc
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_is_local, peer_is_unix
+from weightcache_service.authz import certificate_names
 from weightcache_service.cache import Outbox, WeightCache
 from weightcache_service.interceptors import abort
 from weightcache_service.peers import connections, holder
 from weightcache_service.refusals import RefusalLog
+from weightcache_service.seed_serve import SeedServer
 from weightcache_service.store import Entry, clip
 
 #: KeepAlive answers queued for a peer before its stream is no longer read.
@@ -100,9 +105,15 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     """
 
     def __init__(
-        self, cache: WeightCache, socket: str = "", refusals: RefusalLog | None = None
+        self,
+        cache: WeightCache,
+        socket: str = "",
+        refusals: RefusalLog | None = None,
+        seeds: SeedServer | None = None,
     ) -> None:
         self.cache = cache
+        #: The serving side of seeding (BeginSeed, ReadSeedData, EndSeed).
+        self.seeds = seeds or SeedServer(cache)
         #: The path the daemon's Unix socket was bound at (before its rename into place:
         #: the name its accepted connections report): they are the peers ListLeases names.
         self.socket = socket
@@ -129,12 +140,13 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 recipe = recipe_from_pb(request.recipe, admit=self.cache.admit_plugin)
                 placement = placement_from_pb(request.placement)
                 level = level_from_pb(request.fingerprint_level)
+                check_len("seed_from", request.seed_from, MAX_PATH_CHARS)
             except WeightCacheError as err:
                 # Refused before the cache saw it (begin_load counts its own refusals).
                 self.cache.events.preload_refused(err.reason)
                 raise
             entry, task = await self.cache.begin_load(
-                path, recipe, placement, level, confine=True, name=name
+                path, recipe, placement, level, confine=True, name=name, seed_from=request.seed_from
             )
             while not task.done():
                 yield _preload_response(entry)
@@ -291,6 +303,73 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         self, request: pb.GetServerInfoRequest, context: Context
     ) -> pb.GetServerInfoResponse:
         return server_info_pb(self.cache.server_info())
+
+    @_unary
+    async def BeginSeed(
+        self, request: pb.BeginSeedRequest, context: Context
+    ) -> pb.BeginSeedResponse:
+        if len(request.components) > MAX_COMPONENTS:
+            raise InvalidArgumentError(
+                f"more than {MAX_COMPONENTS} components", metadata={"field": "components"}
+            )
+        components = {c.name: c.digest for c in request.components}
+        names = sorted(certificate_names(context)) or [context.peer()]
+        lease_id, entry = self.seeds.begin(components, float(request.ttl_seconds), ",".join(names))
+        return pb.BeginSeedResponse(
+            lease_id=lease_id,
+            model=model_pb(self.cache.info(entry)),
+            shards=[
+                pb.ShardDigest(name=name, file_sha256=digest)
+                for name, digest in sorted(entry.file_sha256.items())
+            ],
+            arena_size=entry.size,
+            tensors=[tensor_view_pb(v) for v in entry.views],
+        )
+
+    async def ReadSeedData(
+        self, request: pb.ReadSeedDataRequest, context: Context
+    ) -> AsyncIterator[pb.ReadSeedDataResponse]:
+        async for message in self.read_seed_data_raw(request, context):
+            yield pb.ReadSeedDataResponse.FromString(message)
+
+    async def read_seed_data_raw(
+        self, request: pb.ReadSeedDataRequest, context: Context
+    ) -> AsyncIterator[bytes]:
+        """ReadSeedData, each response already serialized (the same bytes on the wire):
+        what the daemon registers for the method, with no response serializer
+        (:func:`register_raw_seed_data`), to spare two copies of every chunk."""
+        try:
+            check_len("lease_id", request.lease_id, MAX_ID_CHARS)
+            chunks = self.seeds.read(
+                request.lease_id, request.offset, request.length, request.chunk_bytes
+            )
+            async for _offset, message in chunks:
+                yield message
+        except WeightCacheError as err:
+            self.refusals.refused("ReadSeedData", err.reason, err.detail)
+            await abort(context, err)
+
+    @_unary
+    async def EndSeed(self, request: pb.EndSeedRequest, context: Context) -> pb.EndSeedResponse:
+        check_len("lease_id", request.lease_id, MAX_ID_CHARS)
+        self.seeds.end(request.lease_id)
+        return pb.EndSeedResponse()
+
+
+def register_raw_seed_data(server: grpc.aio.Server, servicer: WeightCacheServicer) -> None:
+    """Serve ReadSeedData through :meth:`WeightCacheServicer.read_seed_data_raw` (the
+    responses serialized by the servicer itself; the wire is the same). Call it after
+    ``add_WeightCacheServiceServicer_to_server``: the later registration of the method
+    is the one served."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.read_seed_data_raw,
+        request_deserializer=pb.ReadSeedDataRequest.FromString,
+        response_serializer=None,
+    )
+    # grpc's type stubs lack the method (grpcio >= 1.62 has it).
+    server.add_registered_method_handlers(  # type: ignore[attr-defined]
+        "weightcache.v1.WeightCacheService", {"ReadSeedData": handler}
+    )
 
 
 #: Refusals of an Acquire by file identity that the SDK follows with one by fingerprint.

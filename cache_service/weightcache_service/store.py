@@ -73,6 +73,15 @@ class Entry:
     load_seconds: float = 0.0
     views: tuple[TensorView, ...] = ()
     handle: StorageHandle | None = None
+    #: Where the bytes come from: ``"checkpoint"`` or ``"peer NAME"`` (:mod:`.seeding`).
+    source: str = "checkpoint"
+    #: At level ``full``: shard name -> sha256 of the file, once known (what a peer
+    #: seeding from this daemon is given: :mod:`.seed_serve`).
+    file_sha256: dict[str, str] = field(default_factory=dict)
+    #: Whether the bytes held are known to be those of the checkpoint's files (an Acquire
+    #: by file identity may then be answered). False for a model seeded from a peer whose
+    #: digests the local hash cache did not confirm: a worker must send its fingerprint.
+    files_confirmed: bool = True
     #: The recipe as applied (plan found, plugin steps): what the model is reported with.
     resolved: Recipe = field(init=False)
 
@@ -85,6 +94,8 @@ class Entry:
         same identity (dev, inode, size, mtime, ctime), so it is the same file, unchanged
         (that it proves so: :meth:`Checkpoint.identities_vouch`, checked by callers that
         hand out the model's bytes for it)."""
+        if not self.files_confirmed:
+            return False
         held = self.fingerprint.components
         if any(held.get(name) != components.get(name) for name in REQUEST_COMPONENTS):
             return False
@@ -118,6 +129,7 @@ class Entry:
             error=self.error,
             load_seconds=self.load_seconds if self.state == "ready" else None,
             metadata=dict(self.checkpoint.metadata),
+            source=self.source,
         )
 
 
@@ -367,13 +379,15 @@ class Store:
                 for slot in entry.slots:
                     self._load_tensor(entry, entry.arena, reader, slot)
             if hashing is not None:
+                digests = hashing.result(lambda: entry.cancelled)
                 entry.fingerprint = compute_fingerprint(
                     entry.checkpoint,
                     entry.pipeline,
                     entry.placement,
                     "full",
-                    file_sha256=hashing.result(lambda: entry.cancelled),
+                    file_sha256=digests,
                 )
+                entry.file_sha256 = dict(digests)
             # The fingerprint and the arena were both read from these files.
             entry.checkpoint.check_unchanged()
             entry.views = tuple(slot.view() for slot in entry.slots)
@@ -394,6 +408,41 @@ class Store:
                 if entry.failure is None:
                     _fail(entry, ModelFailedError(f"load of {entry.name!r} was interrupted"))
                 self._free(entry)
+
+    def load_seeded(
+        self,
+        entry: Entry,
+        seed: Callable[[Entry, Arena], None],
+        fallback: Callable[[Entry, Exception], None],
+    ) -> None:
+        """Fill ``entry``'s arena through ``seed`` (which pulls the bytes from a peer and
+        verifies them, raising anything on failure); on any failure, free the arena, let
+        ``fallback`` log why and reset the entry (its fingerprint, source), and load it from
+        its files as :meth:`load` does. Sets READY or FAILED; never raises."""
+        try:
+            start = time.monotonic()
+            try:
+                entry.arena = self._make_arena(entry.size)
+                seed(entry, entry.arena)
+                entry.checkpoint.check_unchanged()
+                entry.views = tuple(slot.view() for slot in entry.slots)
+                entry.handle = entry.arena.handle()
+                self._make_ready(entry, time.monotonic() - start)
+                if entry.state != "ready":
+                    self._free(entry)  # a copy of a model held (MODEL_EXISTS)
+                return
+            except Exception as exc:
+                exc.__traceback__ = None  # its frames may hold views of the arena
+                self._free(entry)
+                entry.views, entry.bytes_done, entry.tensors_done = (), 0, 0
+                if entry.cancelled:
+                    _fail(entry, ModelFailedError(f"load of {entry.name!r} cancelled at shutdown"))
+                    return
+                fallback(entry, exc)
+            self._load(entry)
+        finally:
+            entry.checkpoint.close()
+            entry.finished.set()
 
     def _make_ready(self, entry: Entry, seconds: float) -> None:
         """READY, unless the load completed a pending fingerprint that another model

@@ -311,6 +311,7 @@ def model_pb(model: ModelInfo) -> pb.Model:
         progress=progress_pb(model.progress),
         metadata={} if omitted else model.metadata,
         metadata_omitted=omitted,
+        source=model.source,
     )
     if model.load_seconds is not None:
         message.load_duration.CopyFrom(duration_pb(model.load_seconds))
@@ -354,6 +355,7 @@ def model_from_pb(message: pb.Model) -> ModelInfo:
         ),
         metadata=dict(message.metadata),
         metadata_omitted=message.metadata_omitted,
+        source=message.source or "checkpoint",
     )
 
 

@@ -181,6 +181,9 @@ class ModelInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     #: On the wire: the metadata was over ``core.protocol.MAX_METADATA_BYTES`` and not sent.
     metadata_omitted: bool = False
+    #: Where the bytes came from: ``"checkpoint"``, or ``"peer NAME"`` when seeded from
+    #: the daemon at NAME (docs/seeding.md).
+    source: str = "checkpoint"
 
 
 @dataclass(frozen=True)

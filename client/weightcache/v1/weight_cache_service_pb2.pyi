@@ -166,7 +166,7 @@ class LoadProgress(_message.Message):
     def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "state", "fingerprint", "path", "recipe", "placement", "size_bytes", "tensor_count", "lease_count", "load_duration", "create_time", "error", "progress", "metadata", "metadata_omitted")
+    __slots__ = ("name", "state", "fingerprint", "path", "recipe", "placement", "size_bytes", "tensor_count", "lease_count", "load_duration", "create_time", "error", "progress", "metadata", "metadata_omitted", "source")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class Model(_message.Message):
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     METADATA_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     fingerprint: Fingerprint
@@ -204,7 +205,8 @@ class Model(_message.Message):
     progress: LoadProgress
     metadata: _containers.ScalarMap[str, str]
     metadata_omitted: bool
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tensor_count: _Optional[int] = ..., lease_count: _Optional[int] = ..., load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., metadata_omitted: _Optional[bool] = ...) -> None: ...
+    source: str
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., size_bytes: _Optional[int] = ..., tensor_count: _Optional[int] = ..., lease_count: _Optional[int] = ..., load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., metadata_omitted: _Optional[bool] = ..., source: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryHandle(_message.Message):
     __slots__ = ("path", "size")
@@ -295,20 +297,22 @@ class Environment(_message.Message):
     def __init__(self, weightcache_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., backend: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PreloadRequest(_message.Message):
-    __slots__ = ("path", "recipe", "placement", "fingerprint_level", "repo_id", "revision")
+    __slots__ = ("path", "recipe", "placement", "fingerprint_level", "repo_id", "revision", "seed_from")
     PATH_FIELD_NUMBER: _ClassVar[int]
     RECIPE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_LEVEL_FIELD_NUMBER: _ClassVar[int]
     REPO_ID_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    SEED_FROM_FIELD_NUMBER: _ClassVar[int]
     path: str
     recipe: Recipe
     placement: Placement
     fingerprint_level: FingerprintLevel
     repo_id: str
     revision: str
-    def __init__(self, path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., fingerprint_level: _Optional[_Union[FingerprintLevel, str]] = ..., repo_id: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
+    seed_from: str
+    def __init__(self, path: _Optional[str] = ..., recipe: _Optional[_Union[Recipe, _Mapping]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., fingerprint_level: _Optional[_Union[FingerprintLevel, str]] = ..., repo_id: _Optional[str] = ..., revision: _Optional[str] = ..., seed_from: _Optional[str] = ...) -> None: ...
 
 class PreloadResponse(_message.Message):
     __slots__ = ("model", "state", "progress")
@@ -545,3 +549,63 @@ class PeerCredentials(_message.Message):
     uid: int
     gid: int
     def __init__(self, pid: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ...) -> None: ...
+
+class BeginSeedRequest(_message.Message):
+    __slots__ = ("components", "ttl_seconds")
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    components: _containers.RepeatedCompositeFieldContainer[FingerprintComponent]
+    ttl_seconds: int
+    def __init__(self, components: _Optional[_Iterable[_Union[FingerprintComponent, _Mapping]]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class ShardDigest(_message.Message):
+    __slots__ = ("name", "file_sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    file_sha256: str
+    def __init__(self, name: _Optional[str] = ..., file_sha256: _Optional[str] = ...) -> None: ...
+
+class BeginSeedResponse(_message.Message):
+    __slots__ = ("lease_id", "model", "shards", "arena_size", "tensors")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    model: Model
+    shards: _containers.RepeatedCompositeFieldContainer[ShardDigest]
+    arena_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorView]
+    def __init__(self, lease_id: _Optional[str] = ..., model: _Optional[_Union[Model, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardDigest, _Mapping]]] = ..., arena_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorView, _Mapping]]] = ...) -> None: ...
+
+class ReadSeedDataRequest(_message.Message):
+    __slots__ = ("lease_id", "offset", "length", "chunk_bytes")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    offset: int
+    length: int
+    chunk_bytes: int
+    def __init__(self, lease_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadSeedDataResponse(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class EndSeedRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class EndSeedResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

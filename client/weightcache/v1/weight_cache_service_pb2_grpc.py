@@ -89,6 +89,21 @@ class WeightCacheServiceStub:
                 request_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesRequest.SerializeToString,
                 response_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesResponse.FromString,
                 _registered_method=True)
+        self.BeginSeed = channel.unary_unary(
+                '/weightcache.v1.WeightCacheService/BeginSeed',
+                request_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.BeginSeedRequest.SerializeToString,
+                response_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.BeginSeedResponse.FromString,
+                _registered_method=True)
+        self.ReadSeedData = channel.unary_stream(
+                '/weightcache.v1.WeightCacheService/ReadSeedData',
+                request_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ReadSeedDataRequest.SerializeToString,
+                response_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ReadSeedDataResponse.FromString,
+                _registered_method=True)
+        self.EndSeed = channel.unary_unary(
+                '/weightcache.v1.WeightCacheService/EndSeed',
+                request_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.EndSeedRequest.SerializeToString,
+                response_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.EndSeedResponse.FromString,
+                _registered_method=True)
 
 
 class WeightCacheServiceServicer:
@@ -186,6 +201,32 @@ class WeightCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginSeed(self, request, context):
+        """Seeding (docs/seeding.md): a new node's daemon asks this one for a READY model it
+        would otherwise load from its own files. Refused with PERMISSION_DENIED unless the
+        daemon was started with --allow-seeding, and to peers the authorization table does not
+        authenticate (mutual TLS). Returns the model's full-level shard digests, its arena
+        layout and a transfer lease that keeps the model from being evicted until EndSeed
+        (a forced evict revokes it: ReadSeedData then fails with MODEL_NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadSeedData(self, request, context):
+        """Streams a byte range of the seeded model's arena, in chunks, under the transfer lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndSeed(self, request, context):
+        """Ends the transfer lease. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +274,21 @@ def add_WeightCacheServiceServicer_to_server(servicer, server):
                     servicer.ListLeases,
                     request_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesRequest.FromString,
                     response_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesResponse.SerializeToString,
+            ),
+            'BeginSeed': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginSeed,
+                    request_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.BeginSeedRequest.FromString,
+                    response_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.BeginSeedResponse.SerializeToString,
+            ),
+            'ReadSeedData': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadSeedData,
+                    request_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ReadSeedDataRequest.FromString,
+                    response_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.ReadSeedDataResponse.SerializeToString,
+            ),
+            'EndSeed': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSeed,
+                    request_deserializer=weightcache_dot_v1_dot_weight__cache__service__pb2.EndSeedRequest.FromString,
+                    response_serializer=weightcache_dot_v1_dot_weight__cache__service__pb2.EndSeedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -488,6 +544,87 @@ class WeightCacheService:
             '/weightcache.v1.WeightCacheService/ListLeases',
             weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesRequest.SerializeToString,
             weightcache_dot_v1_dot_weight__cache__service__pb2.ListLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginSeed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightcache.v1.WeightCacheService/BeginSeed',
+            weightcache_dot_v1_dot_weight__cache__service__pb2.BeginSeedRequest.SerializeToString,
+            weightcache_dot_v1_dot_weight__cache__service__pb2.BeginSeedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadSeedData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightcache.v1.WeightCacheService/ReadSeedData',
+            weightcache_dot_v1_dot_weight__cache__service__pb2.ReadSeedDataRequest.SerializeToString,
+            weightcache_dot_v1_dot_weight__cache__service__pb2.ReadSeedDataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSeed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightcache.v1.WeightCacheService/EndSeed',
+            weightcache_dot_v1_dot_weight__cache__service__pb2.EndSeedRequest.SerializeToString,
+            weightcache_dot_v1_dot_weight__cache__service__pb2.EndSeedResponse.FromString,
             options,
             channel_credentials,
             insecure,

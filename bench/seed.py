@@ -1,0 +1,308 @@
+"""Seeding between two network namespaces (issue 30): seed time against bulk copy.
+
+Run as root (it makes two network namespaces and a veth pair, removed at the end):
+
+    .venv/bin/python bench/seed.py --gib 2 --rounds 2
+
+For a model of ``--gib`` GiB in 8 shards, each in its own folder for A and B:
+
+- **link**: the shard files sent from namespace A to B over the veth pair by a bulk copy
+  at its fastest (``socket.sendfile`` in A, ``recv_into`` a buffer in B: the page cache to
+  the wire and back, no TLS), with 1 and with 4 connections in parallel; also ``curl``
+  from ``python -m http.server`` (one connection) as the plain "cp over HTTP" figure.
+- **seed**: daemon B (``--seed-from A``, mutual TLS) loading the model from daemon A,
+  for each ``--plans`` entry (streams x chunk MiB): B's ``loaded`` seconds (arena,
+  transfer, sha256 of every shard, READY).
+- **files**: daemon B loading the model from its own page-cached files, with its hash
+  cache cold (it hashes every shard, as a first load does) and warm (copy only).
+
+Prints a table; the goal is the seed at >= 0.8x of the link's bulk throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.security_support import SYSTEM_PATHS, Pki, make_pki
+from weightcache.testing.daemon import Daemon, short_tempdir, socket_in
+
+IP = shutil.which("ip", path=SYSTEM_PATHS) or "ip"
+PORT = 7443
+BULK_PORT = 7444
+HTTP_PORT = 7445
+SHARDS = 8
+
+
+def ip(*args: str) -> None:
+    subprocess.run([IP, *args], check=True, capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def namespaces() -> Iterator[tuple[str, str, str, str]]:
+    tag = uuid.uuid4().hex[:6]
+    ns_a, ns_b, a_ip, b_ip = f"wcba-{tag}", f"wcbb-{tag}", "10.232.0.1", "10.232.0.2"
+    made = []
+    try:
+        for ns in (ns_a, ns_b):
+            ip("netns", "add", ns)
+            made.append(ns)
+        ip("link", "add", f"wcba{tag}", "type", "veth", "peer", "name", f"wcbb{tag}")
+        for ns, dev, addr in ((ns_a, f"wcba{tag}", a_ip), (ns_b, f"wcbb{tag}", b_ip)):
+            ip("link", "set", dev, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield ns_a, ns_b, a_ip, b_ip
+    finally:
+        for ns in made:
+            ip("netns", "del", ns)
+
+
+def write_model(folder: Path, gib: float) -> int:
+    """``SHARDS`` shards of random U8 tensors, ``gib`` GiB in all; returns the bytes."""
+    folder.mkdir(parents=True)
+    per_shard = int(gib * (1 << 30)) // SHARDS
+    weight_map = {}
+    gen = torch.Generator().manual_seed(30)
+    for shard in range(SHARDS):
+        name = f"model-{shard + 1:05d}-of-{SHARDS:05d}.safetensors"
+        tensors = {
+            f"layers.{shard}.{i}.weight": torch.randint(
+                0, 256, (per_shard // 4,), dtype=torch.uint8, generator=gen
+            )
+            for i in range(4)
+        }
+        save_file(tensors, str(folder / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+_SENDER = """
+import os, socket, sys
+files = sys.argv[3:]
+srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+while True:
+    conn, _ = srv.accept()
+    want = conn.recv(4096).decode().strip()
+    if want == "quit":
+        break
+    with conn, open(want, "rb") as fh:
+        conn.sendfile(fh)
+"""
+
+_RECEIVER = """
+import socket, sys, time, threading
+host, port, files = sys.argv[1], int(sys.argv[2]), sys.argv[4:]
+parallel = int(sys.argv[3])
+total = [0]
+lock = threading.Lock()
+def pull(names):
+    buf = bytearray(4 << 20)
+    view = memoryview(buf)
+    for name in names:
+        with socket.create_connection((host, port)) as s:
+            s.sendall(name.encode() + b"\\n")
+            while True:
+                n = s.recv_into(view)
+                if not n:
+                    break
+                with lock:
+                    total[0] += n
+start = time.perf_counter()
+threads = [threading.Thread(target=pull, args=(files[i::parallel],)) for i in range(parallel)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(total[0], time.perf_counter() - start)
+"""
+
+
+def bulk_link(ns_a: str, ns_b: str, a_ip: str, files: list[Path], parallel: int) -> float:
+    """Seconds to move ``files`` from A to B by sendfile/recv_into over ``parallel``
+    connections."""
+    sender = subprocess.Popen(
+        [IP, "netns", "exec", ns_a, sys.executable, "-c", _SENDER, a_ip, str(BULK_PORT)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sender.stdout is not None
+        assert sender.stdout.readline().strip() == "ready"
+        names = [str(f) for f in files]
+        done = subprocess.run(
+            [IP, "netns", "exec", ns_b, sys.executable, "-c", _RECEIVER, a_ip, str(BULK_PORT),
+             str(parallel), *names],
+            capture_output=True, text=True, check=True, timeout=600,
+        )  # fmt: skip
+        nbytes, seconds = done.stdout.split()
+        assert int(nbytes) == sum(f.stat().st_size for f in files)
+        return float(seconds)
+    finally:
+        with contextlib.suppress(OSError):
+            subprocess.run(
+                [IP, "netns", "exec", ns_b, sys.executable, "-c",
+                 "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])))"
+                 ".sendall(b'quit')", a_ip, str(BULK_PORT)],
+                capture_output=True, timeout=30, check=False,
+            )  # fmt: skip
+        sender.wait(30)
+
+
+def curl_link(ns_a: str, ns_b: str, a_ip: str, folder: Path, files: list[Path]) -> float:
+    """Seconds for curl in B to fetch ``files`` one after another from http.server in A."""
+    server = subprocess.Popen(
+        [IP, "netns", "exec", ns_a, sys.executable, "-m", "http.server", str(HTTP_PORT),
+         "--bind", a_ip, "--directory", str(folder)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        time.sleep(1.0)
+        urls = [f"http://{a_ip}:{HTTP_PORT}/{f.name}" for f in files]
+        start = time.perf_counter()
+        for url in urls:
+            subprocess.run(
+                [IP, "netns", "exec", ns_b, "curl", "-sf", "-o", "/dev/null", url],
+                check=True, timeout=600,
+            )  # fmt: skip
+        return time.perf_counter() - start
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def _event(daemon: Daemon, event: str) -> dict[str, object]:
+    for line in daemon.log().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("event") == event:
+                return record
+    raise AssertionError(f"no {event!r} in:\n{daemon.log()[-3000:]}")
+
+
+def run_daemon(
+    ns: str, folder: Path, name: str, model: Path, args: list[str], *, hashes: Path
+) -> Daemon:
+    daemon = Daemon(
+        socket_in(folder, name),
+        [str(model), "--log-format", "json", *args],
+        folder / f"{name}.log",
+        wrap=[IP, "netns", "exec", ns],
+        env={"WEIGHTCACHE_HASH_CACHE": str(hashes)},
+    )
+    daemon.wait_ready(timeout=900, models=1)
+    return daemon
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--plans", default="4x4,8x8,16x8", help="seed plans: STREAMSxCHUNK_MIB, comma-separated"
+    )
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("bench/seed.py: run as root (it makes network namespaces)", file=sys.stderr)
+        return 2
+    root = short_tempdir()
+    try:
+        with namespaces() as (ns_a, ns_b, a_ip, _b_ip):
+            size = write_model(root / "a" / "model", args.gib)
+            shutil.copytree(root / "a" / "model", root / "b" / "model")
+            files = sorted((root / "a" / "model").glob("*.safetensors"))
+            b_model = root / "b" / "model"
+            for f in [*files, *b_model.glob("*")]:  # page cache warm on both sides
+                with open(f, "rb") as fh:
+                    while fh.read(64 << 20):
+                        pass
+            pki: Pki = make_pki(root / "pki", [a_ip])
+            a = run_daemon(
+                ns_a, root / "a", "a", root / "a" / "model",
+                ["--listen", f"{a_ip}:{PORT}", "--tls-cert", str(pki.server_cert),
+                 "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca),
+                 "--allow-seeding"],
+                hashes=root / "a" / "hashes",
+            )  # fmt: skip
+            results: dict[str, list[float]] = {}
+            peer = [
+                "--seed-from", f"{a_ip}:{PORT}", "--peer-tls-cert", str(pki.client_cert),
+                "--peer-tls-key", str(pki.client_key), "--peer-tls-ca", str(pki.ca),
+            ]  # fmt: skip
+            plans = [tuple(int(x) for x in p.split("x")) for p in args.plans.split(",")]
+            try:
+                for r in range(args.rounds):
+                    results.setdefault("link: sendfile, 1 connection", []).append(
+                        bulk_link(ns_a, ns_b, a_ip, files, 1)
+                    )
+                    results.setdefault("link: sendfile, 4 connections", []).append(
+                        bulk_link(ns_a, ns_b, a_ip, files, 4)
+                    )
+                    results.setdefault("link: curl from http.server", []).append(
+                        curl_link(ns_a, ns_b, a_ip, root / "a" / "model", files)
+                    )
+                    for streams, chunk in plans:
+                        b = run_daemon(
+                            ns_b, root / "b", f"s{r}-{streams}-{chunk}", b_model,
+                            [*peer, "--seed-streams", str(streams),
+                             "--seed-chunk-bytes", str(chunk << 20)],
+                            hashes=root / "b" / f"hashes-seed-{r}-{streams}-{chunk}",
+                        )  # fmt: skip
+                        try:
+                            seeded = _event(b, "seeded")
+                            loaded = _event(b, "loaded")
+                            assert seeded["bytes"] == loaded["bytes"]
+                        finally:
+                            b.stop_and_check()
+                        print(
+                            "seeded:",
+                            {k: v for k, v in seeded.items() if k.endswith("seconds")},
+                            flush=True,
+                        )
+                        key = f"seed: {streams} streams x {chunk} MiB"
+                        results.setdefault(key, []).append(float(str(loaded["seconds"])))
+                    hashes = root / "b" / f"hashes-files-{r}"
+                    for label in ("cold hash cache", "warm hash cache"):
+                        b = run_daemon(ns_b, root / "b", f"f{r}", b_model, [], hashes=hashes)
+                        try:
+                            loaded = _event(b, "loaded")
+                        finally:
+                            b.stop_and_check()
+                        results.setdefault(f"files: own page cache, {label}", []).append(
+                            float(str(loaded["seconds"]))
+                        )
+                        time.sleep(1.2)  # past the timestamp granule: the digests are kept
+            finally:
+                a.stop_and_check()
+        print(f"model: {size / (1 << 30):.2f} GiB in {SHARDS} shards; {os.cpu_count()} CPUs")
+        link = min(statistics.median(v) for k, v in results.items() if k.startswith("link"))
+        print(f"{'path':44} {'median s':>9} {'GB/s':>6} {'x link':>7}   runs")
+        for key, values in results.items():
+            med = statistics.median(values)
+            runs = " ".join(f"{v:.2f}" for v in values)
+            print(f"{key:44} {med:9.2f} {size / med / 1e9:6.2f} {link / med:7.2f}   {runs}")
+        print("x link: the fastest link median's seconds over this path's (1.00 = link speed)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The data plane of seeding: how a seeding daemon pulls a peer's arena bytes.
+
+One small interface, :class:`DataPlane`, so that another transfer engine (Mooncake's
+transfer engine, NIXL) can be added beside the one implemented here,
+:class:`GrpcStreamPlane`: ``ReadSeedData`` server-streaming calls over the same
+mutual-TLS gRPC channel as ``BeginSeed``, several in parallel over contiguous ranges.
+
+Why not Mooncake's transfer engine today (docs/seeding.md, "Data plane"): over TCP it
+authenticates no reader (whoever reaches its port reads a registered region), and on this
+machine it was not faster than gRPC streaming.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import grpc
+
+from weightcache.v1 import weight_cache_service_pb2 as pb
+
+#: Default chunk of one ReadSeedData message, in bytes.
+DEFAULT_CHUNK_BYTES = 4 << 20
+#: Default number of parallel ReadSeedData streams.
+DEFAULT_STREAMS = 4
+
+#: ``write(offset, data)``: put ``data`` at byte ``offset`` of the local arena.
+Writer = Callable[[int, memoryview], None]
+#: The method's full name (the generated stub's, whose responses are parsed messages).
+READ_METHOD = "/weightcache.v1.WeightCacheService/ReadSeedData"
+
+
+class TransferError(Exception):
+    """The transfer failed: the peer died, refused the lease, or sent a bad chunk."""
+
+
+class DataPlane(Protocol):
+    """Moves a byte range of a peer's arena into the local one, under a transfer lease."""
+
+    def pull(
+        self,
+        lease_id: str,
+        ranges: Sequence[tuple[int, int]],
+        write: Writer,
+        cancelled: Callable[[], bool],
+        done: Callable[[int], None] = lambda _index: None,
+    ) -> None:
+        """Pull the ``(offset, length)`` byte ranges of the arena the lease names, calling
+        ``write`` for each piece (possibly from several threads, never twice for one
+        byte) and ``done(i)`` once range ``i`` has been written whole (the caller may then
+        read it, e.g. hash it, while the others arrive).
+
+        Raises:
+            TransferError: the transfer did not complete (``cancelled()`` turned true
+                included).
+        """
+
+
+class GrpcStreamPlane:
+    """``ReadSeedData`` streams over a gRPC channel.
+
+    Args:
+        channel: a channel to the peer (mutual TLS in production).
+        streams: parallel streams.
+        chunk_bytes: bytes per message asked of the peer (it caps them at 16 MiB).
+    """
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        streams: int = DEFAULT_STREAMS,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        # Responses unparsed: parse_response finds the data in place (no copy), where a
+        # parsed message would copy it twice (into the message, out of its field).
+        self._read = channel.unary_stream(
+            READ_METHOD,
+            request_serializer=pb.ReadSeedDataRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self.streams = max(1, streams)
+        self.chunk_bytes = chunk_bytes
+
+    def pull(
+        self,
+        lease_id: str,
+        ranges: Sequence[tuple[int, int]],
+        write: Writer,
+        cancelled: Callable[[], bool],
+        done: Callable[[int], None] = lambda _index: None,
+    ) -> None:
+        """See :meth:`DataPlane.pull`: ``streams`` threads, each calling ReadSeedData for
+        one piece after another; a range is cut into pieces of about a ``streams``-th of
+        the total (whole chunks), so that few large ranges still use every stream.
+
+        Raises:
+            TransferError: a stream failed (its gRPC status is named), a chunk fell
+                outside its piece, a piece ended short, or ``cancelled()``.
+        """
+        total = sum(length for _offset, length in ranges)
+        step = max(-(-total // self.streams), 1)
+        step = -(-step // self.chunk_bytes) * self.chunk_bytes  # whole chunks per piece
+        pieces: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
+        left = []
+        for index, (lo, length) in enumerate(ranges):
+            cuts = range(lo, lo + length, step)
+            left.append(len(cuts))
+            for cut in cuts:
+                pieces.put((index, cut, min(step, lo + length - cut)))
+        for index, count in enumerate(left):
+            if count == 0:
+                done(index)  # an empty range
+        errors: list[str] = []
+        calls: list[Any] = []
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while not errors:
+                try:
+                    index, offset, length = pieces.get_nowait()
+                except queue.Empty:
+                    return
+                if one(offset, length):
+                    with lock:
+                        left[index] -= 1
+                        finished = left[index] == 0
+                    if finished:
+                        done(index)
+
+        def one(offset: int, length: int) -> bool:
+            request = pb.ReadSeedDataRequest(
+                lease_id=lease_id, offset=offset, length=length, chunk_bytes=self.chunk_bytes
+            )
+            cursor = offset
+            try:
+                call: Any = self._read(request)
+                with lock:
+                    calls.append(call)
+                for raw in call:
+                    if cancelled() or errors:
+                        call.cancel()
+                        raise TransferError("cancelled")
+                    at, data = parse_response(raw)
+                    if at != cursor or cursor + len(data) > offset + length:
+                        raise TransferError(
+                            f"chunk at {at} ({len(data)} bytes) outside the range "
+                            f"expected from {cursor}"
+                        )
+                    write(cursor, data)
+                    cursor += len(data)
+                if cursor != offset + length:
+                    raise TransferError(f"range ended at {cursor}, not {offset + length}")
+                return True
+            except grpc.RpcError as exc:
+                with lock:
+                    errors.append(f"ReadSeedData: {exc.code().name}: {exc.details()}")
+            except TransferError as exc:
+                with lock:
+                    errors.append(str(exc))
+            return False
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if cancelled():
+            raise TransferError("cancelled at shutdown")
+        real = [e for e in errors if e != "cancelled"] or errors
+        if real:
+            raise TransferError(real[0])
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(raw) or shift > 63:
+            raise TransferError("malformed ReadSeedDataResponse: bad varint")
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def parse_response(raw: bytes) -> tuple[int, memoryview]:
+    """A serialized ``ReadSeedDataResponse`` as ``(offset, data)``, ``data`` a view of
+    ``raw`` (not copied). Fields in any order; unknown varint and length-delimited
+    fields skipped; a repeated field's last value wins, as protobuf parsers do.
+
+    Raises:
+        TransferError: the bytes are not such a message.
+    """
+    view = memoryview(raw)
+    offset, data, pos = 0, view[0:0], 0
+    while pos < len(raw):
+        key, pos = _varint(raw, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(raw, pos)
+            if field == 1:
+                offset = value
+        elif wire == 2:
+            size, pos = _varint(raw, pos)
+            if pos + size > len(raw):
+                raise TransferError("malformed ReadSeedDataResponse: field past the end")
+            if field == 2:
+                data = view[pos : pos + size]
+            pos += size
+        else:
+            raise TransferError(f"malformed ReadSeedDataResponse: wire type {wire}")
+    return offset, data

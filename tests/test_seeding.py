@@ -1,0 +1,569 @@
+"""Seeding (issue 30): a daemon in network namespace B fills a model from the daemon in
+namespace A over a veth pair, verified by content (docs/seeding.md).
+
+The namespaces, the veth pair and the addresses are made by the test as root and removed
+after it, failed or not; without root or the ``ip`` command (iproute2: ``make seed-deps``)
+the namespace tests are skipped, saying so. Daemons run in their namespace through
+``ip netns exec`` (which execs them: the same pid); the worker in B too. Each daemon has a
+hash cache of its own, and B a copy of the checkpoint of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.security_support import SYSTEM_PATHS, Pki, make_pki
+from tests.support import rpc_failure
+from weightcache.core.errors import PermissionDeniedError, UnauthenticatedError
+from weightcache.testing.checkpoints import make_checkpoints, wait_until_settled
+from weightcache.testing.daemon import Daemon, list_models, short_tempdir, socket_in
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service.authz import Policy, refusal
+
+IP = shutil.which("ip", path=SYSTEM_PATHS)
+SEED_FAILED = "seed failed: loading from the checkpoint's files"
+PORT = 7443
+_SKIP = (
+    "needs root (ip netns add)"
+    if os.geteuid() != 0
+    else "needs the ip command (iproute2: make seed-deps)"
+    if IP is None
+    else None
+)
+netns_only = pytest.mark.skipif(_SKIP is not None, reason=f"seeding between namespaces {_SKIP}")
+
+
+# -- the authorization rule (no namespace needed) ----------------------------------------
+
+SEED_METHOD = "/weightcache.v1.WeightCacheService/BeginSeed"
+
+
+def test_seeding_is_off_by_default_even_on_the_unix_socket() -> None:
+    error = refusal(SEED_METHOD, Policy(mutual_tls=True), "unix:/run/wc/cpu.sock", set())
+
+    assert isinstance(error, PermissionDeniedError)
+    assert error.detail == (
+        "BeginSeed refused: seeding is off on this daemon (started without --allow-seeding)"
+    )
+    assert error.metadata == {"method": "BeginSeed"}
+
+
+def test_seeding_allowed_needs_an_authenticated_peer() -> None:
+    policy = Policy(mutual_tls=True, subjects=frozenset({"node-b"}), allow_seeding=True)
+
+    assert refusal(SEED_METHOD, policy, "unix:/run/wc/cpu.sock", set()) is None
+    assert refusal(SEED_METHOD, policy, "ipv4:10.0.0.2:5000", {"node-b"}) is None
+    stranger = refusal(SEED_METHOD, policy, "ipv4:10.0.0.2:5000", {"node-z"})
+    anonymous = refusal(SEED_METHOD, policy, "ipv4:10.0.0.2:5000", set())
+    assert isinstance(stranger, PermissionDeniedError)
+    assert isinstance(anonymous, UnauthenticatedError)
+
+
+# -- two namespaces ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """Two network namespaces joined by a veth pair: A at ``a_ip``, B at ``b_ip``."""
+
+    ns_a: str
+    ns_b: str
+    a_ip: str
+    b_ip: str
+
+
+def _ip(*args: str) -> None:
+    assert IP is not None
+    done = subprocess.run([IP, *args], capture_output=True, text=True, check=False, timeout=30)
+    assert done.returncode == 0, f"ip {' '.join(args)}: {done.stderr}"
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    """Namespaces ``wcsa-<hex>``, ``wcsb-<hex>`` and a veth pair, removed after."""
+    tag = uuid.uuid4().hex[:6]
+    net = int(tag[:2], 16)
+    made = Link(f"wcsa-{tag}", f"wcsb-{tag}", f"10.231.{net}.1", f"10.231.{net}.2")
+    created: list[str] = []
+    try:
+        for ns in (made.ns_a, made.ns_b):
+            _ip("netns", "add", ns)
+            created.append(ns)
+        _ip("link", "add", f"wcsa{tag}", "type", "veth", "peer", "name", f"wcsb{tag}")
+        for ns, dev, address in (
+            (made.ns_a, f"wcsa{tag}", made.a_ip),
+            (made.ns_b, f"wcsb{tag}", made.b_ip),
+        ):
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield made
+    finally:
+        # Deleting a namespace deletes the veth end in it, and with it the pair.
+        for ns in created:
+            _ip("netns", "del", ns)
+        with contextlib.suppress(AssertionError):
+            _ip("link", "del", f"wcsa{tag}")  # only if it never moved into a namespace
+
+
+@dataclass
+class Node:
+    """What the test holds of one namespace: a folder, its hash cache, its checkpoint."""
+
+    ns: str
+    folder: Path
+    model: Path
+
+
+@pytest.fixture
+def room() -> Iterator[Path]:
+    """A private temporary folder, removed after."""
+    folder = short_tempdir()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _checkpoint(root: Path, big: bool) -> Path:
+    """A sharded checkpoint: the harness's small one, or (``big``) two 4 MiB shards."""
+    if not big:
+        return make_checkpoints(root / "ck").sharded
+    folder = root / "big"
+    folder.mkdir()
+    gen = torch.Generator().manual_seed(30)
+    weight_map = {}
+    for shard in (1, 2):
+        name = f"model-0000{shard}-of-00002.safetensors"
+        tensors = {
+            f"layers.{shard}.{i}.weight": torch.randn(256, 1024, generator=gen) for i in range(4)
+        }
+        save_file(tensors, str(folder / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    wait_until_settled(folder)
+    return folder
+
+
+@pytest.fixture
+def pki(room: Path, link: Link) -> Pki:
+    """A CA, a server certificate for A's address, client certificates (B's: ``client``)."""
+    return make_pki(room / "pki", [link.a_ip])
+
+
+def _nodes(room: Path, link: Link, big: bool = False) -> tuple[Node, Node]:
+    source = _checkpoint(room, big)
+    nodes = []
+    for ns, name in ((link.ns_a, "a"), (link.ns_b, "b")):
+        folder = room / name
+        folder.mkdir()
+        model = folder / source.name
+        shutil.copytree(source, model)
+        wait_until_settled(model)
+        nodes.append(Node(ns, folder, model))
+    return nodes[0], nodes[1]
+
+
+def _start(node: Node, args: list[str]) -> Daemon:
+    assert IP is not None
+    return Daemon(
+        socket_in(node.folder, "d"),
+        [str(node.model), "--log-format", "json", *args],
+        node.folder / "daemon.log",
+        wrap=[IP, "netns", "exec", node.ns],
+        env={"WEIGHTCACHE_HASH_CACHE": str(node.folder / "hashes")},
+    )
+
+
+def _serving_args(pki: Pki, link: Link, *extra: str) -> list[str]:
+    return [
+        "--listen",
+        f"{link.a_ip}:{PORT}",
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        *extra,
+    ]
+
+
+def _seeding_args(pki: Pki, link: Link) -> list[str]:
+    return [
+        "--seed-from",
+        f"{link.a_ip}:{PORT}",
+        "--peer-tls-cert",
+        str(pki.client_cert),
+        "--peer-tls-key",
+        str(pki.client_key),
+        "--peer-tls-ca",
+        str(pki.ca),
+    ]
+
+
+def _segments(daemon: Daemon) -> list[str]:
+    """The /dev/shm segments of this daemon process (its pid is in their names)."""
+    return sorted(glob.glob(f"/dev/shm/weightcache-*-{daemon.pid}-*"))
+
+
+@contextlib.contextmanager
+def _running(node: Node, args: list[str], *, wait: bool = True) -> Iterator[Daemon]:
+    """A daemon in ``node``'s namespace, stopped after; its segments must all be gone
+    (a SIGKILLed one's are removed here: the test made them)."""
+    daemon = _start(node, args)
+    try:
+        if wait:
+            daemon.wait_ready(models=1)
+        yield daemon
+    finally:
+        left = _segments(daemon)
+        if daemon.proc.poll() is None:
+            daemon.stop_and_check()
+            assert _segments(daemon) == [], daemon.log()
+        else:
+            for path in left:  # SIGKILLed by the test: nothing removed them
+                os.unlink(path)
+
+
+def _events(daemon: Daemon, event: str) -> list[dict[str, object]]:
+    lines = []
+    for line in daemon.log().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("event") == event:
+                lines.append(record)
+    return lines
+
+
+def _worker_in(node: Node, daemon: Daemon) -> dict[str, object]:
+    """Load B's own copy through B's daemon from a process in B's namespace; compare it
+    bitwise with safetensors reading the same files."""
+    assert IP is not None
+    script = (
+        "import json, sys, weightcache\n"
+        "from safetensors.torch import load_file\n"
+        "from weightcache.core.checkpoint import open_checkpoint\n"
+        "from weightcache.testing.checkpoints import assert_bitwise_equal\n"
+        "path, socket = sys.argv[1:3]\n"
+        "weights = weightcache.load(path, socket=socket, fallback=False)\n"
+        "expected = {}\n"
+        "for shard in open_checkpoint(path).shards:\n"
+        "    expected.update(load_file(str(shard.path)))\n"
+        "assert_bitwise_equal(weights.tensors, expected)\n"
+        "print(json.dumps({'source': weights.source, 'tensors': len(weights.tensors)}))\n"
+        "weights.close()\n"
+    )
+    done = subprocess.run(
+        [
+            IP,
+            "netns",
+            "exec",
+            node.ns,
+            sys.executable,
+            "-c",
+            script,
+            str(node.model),
+            daemon.socket,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+def _model(daemon: Daemon) -> pb.Model:
+    [model] = list_models(daemon.socket)
+    return model
+
+
+@netns_only
+def test_seeds_a_sharded_checkpoint_from_the_peer(room: Path, link: Link, pki: Pki) -> None:
+    a_node, b_node = _nodes(room, link)
+    serving = _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding")
+    seeding = [*_seeding_args(pki, link), "--metrics-listen", f"127.0.0.1:{METRICS_PORT}"]
+    with _running(a_node, serving) as a, _running(b_node, seeding) as b:
+        model = _model(b)
+        [seeded] = _events(b, "seeded")
+        metrics = _seed_metrics(b_node)
+        ls = subprocess.run(
+            [sys.executable, "-m", "weightcache_service.cli", "ls", "--socket", b.socket],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        worker = _worker_in(b_node, b)
+        leases_on_a = list_models(a.socket)[0].lease_count
+
+    peer = f"{link.a_ip}:{PORT}"
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {peer}")
+    assert model.fingerprint.digest == _model_digest(a_node)
+    assert (seeded["peer"], seeded["bytes"], seeded["files_confirmed"]) == (
+        peer,
+        model.size_bytes,
+        False,
+    )
+    header, row = ls.stdout.splitlines()[:2]
+    assert header.split()[-1] == "SOURCE"
+    assert row.endswith(f"peer {peer}")
+    assert worker == {"source": "cache", "tensors": 9}
+    assert leases_on_a == 0  # EndSeed released the transfer lease
+    assert metrics["seeded"] == 1.0
+    assert metrics["bytes"] == float(model.size_bytes)
+    assert metrics["seconds"] > 0
+
+
+METRICS_PORT = 9464
+
+
+def _seed_metrics(node: Node) -> dict[str, float]:
+    """The seed metrics of the daemon of ``node``, scraped from inside its namespace:
+    ``weightcache_seeds_total`` by result, ``bytes`` and ``seconds``."""
+    assert IP is not None
+    url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+    script = f"import urllib.request; print(urllib.request.urlopen({url!r}).read().decode())"
+    done = subprocess.run(
+        [IP, "netns", "exec", node.ns, sys.executable, "-c", script],
+        capture_output=True, text=True, check=True, timeout=30,
+    )  # fmt: skip
+    found: dict[str, float] = {}
+    for line in done.stdout.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith('weightcache_seeds_total{result="'):
+            found[name.split('"')[1]] = float(value)
+        elif name == "weightcache_seeded_bytes_total":
+            found["bytes"] = float(value)
+        elif name == "weightcache_seed_seconds_total":
+            found["seconds"] = float(value)
+    return found
+
+
+def _model_digest(node: Node) -> str:
+    import weightcache
+
+    checkpoint = weightcache.open_checkpoint(node.model)
+    fp = weightcache.compute_fingerprint(checkpoint, weightcache.Recipe(), weightcache.Placement())
+    return fp.digest
+
+
+@netns_only
+def test_a_lying_peer_is_refused_and_the_files_loaded(room: Path, link: Link, pki: Pki) -> None:
+    a_node, b_node = _nodes(room, link)
+    serving = _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding")
+    with _running(a_node, serving) as a:
+        [segment] = _segments(a)
+        with open(segment, "r+b") as fh:  # the first tensor's first byte
+            first = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([first[0] ^ 0xFF]))
+        seeding = [*_seeding_args(pki, link), "--metrics-listen", f"127.0.0.1:{METRICS_PORT}"]
+        with _running(b_node, seeding) as b:
+            model = _model(b)
+            [failed] = _events(b, SEED_FAILED)
+            worker = _worker_in(b_node, b)
+            metrics = _seed_metrics(b_node)
+
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
+    assert model.fingerprint.digest == _model_digest(b_node)
+    assert failed["result"] == "mismatch"
+    why = str(failed["why"])
+    assert why.startswith(
+        "shard model-00001-of-00002.safetensors: the sha256 of the bytes received"
+    )
+    assert why.endswith("is not the peer's full-level digest " + _shard_sha(b_node)[:16] + "…")
+    assert _events(b, "seeded") == []
+    assert worker == {"source": "cache", "tensors": 9}
+    assert (metrics["mismatch"], metrics["bytes"]) == (1.0, 0.0)
+    assert "seeded" not in metrics
+
+
+def _shard_sha(node: Node) -> str:
+    import hashlib
+
+    return hashlib.sha256(
+        (node.model / "model-00001-of-00002.safetensors").read_bytes()
+    ).hexdigest()
+
+
+@netns_only
+def test_a_peer_killed_mid_transfer_leaves_the_files_to_load(
+    room: Path, link: Link, pki: Pki
+) -> None:
+    a_node, b_node = _nodes(room, link, big=True)
+    # 4 streams of 256 KiB/s in 64 KiB chunks: the 8 MiB take about 8 s, time enough to
+    # see some arrive and kill A midway.
+    serving = _serving_args(
+        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "262144"
+    )
+    with _running(a_node, serving) as a:
+        seeding = [*_seeding_args(pki, link), "--seed-chunk-bytes", "65536"]
+        with _running(b_node, seeding, wait=False) as b:
+            _wait_for_progress(b)
+            a.kill()
+            b.wait_ready(models=1)
+            model = _model(b)
+            [failed] = _events(b, SEED_FAILED)
+
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
+    assert model.fingerprint.digest == _model_digest(b_node)
+    assert failed["result"] == "transfer"
+    assert str(failed["why"]).startswith(f"from {link.a_ip}:{PORT}: ReadSeedData: UNAVAILABLE")
+
+
+@netns_only
+def test_weightcache_load_seeds_through_the_preload_rpc(room: Path, link: Link, pki: Pki) -> None:
+    assert IP is not None
+    a_node, b_node = _nodes(room, link)
+    serving = _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding")
+    peer = f"{link.a_ip}:{PORT}"
+    tls = _seeding_args(pki, link)[2:]  # the --peer-tls-* files, without --seed-from
+    remote = ["--allow-remote-preload", "--model-root", str(b_node.folder), *tls]
+    with _running(a_node, serving):
+        b = Daemon(
+            socket_in(b_node.folder, "d"),
+            ["--log-format", "json", *remote],
+            b_node.folder / "daemon.log",
+            wrap=[IP, "netns", "exec", b_node.ns],
+            env={"WEIGHTCACHE_HASH_CACHE": str(b_node.folder / "hashes")},
+        )
+        try:
+            b.wait_ready(models=0)
+            load = subprocess.run(
+                [sys.executable, "-m", "weightcache_service.cli", "load", str(b_node.model),
+                 "--seed-from", peer, "--socket", b.socket],
+                capture_output=True, text=True, check=False, timeout=120,
+            )  # fmt: skip
+            model = _model(b)
+        finally:
+            b.stop_and_check()
+            assert _segments(b) == []
+
+    assert load.returncode == 0, load.stderr
+    assert load.stdout == f"sharded READY {model.progress.bytes_total} bytes\n"
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {peer}")
+
+
+def _wait_for_progress(b: Daemon) -> None:
+    """Until B's model has some of its bytes, not all."""
+    deadline = time.monotonic() + 60
+    while True:
+        held = list_models(b.socket) if os.path.exists(b.socket) else []
+        if held and 0 < held[0].progress.bytes_done < held[0].progress.bytes_total:
+            return
+        assert not held or held[0].state == pb.MODEL_STATE_LOADING, b.log()
+        assert time.monotonic() < deadline, b.log()
+        time.sleep(0.05)
+
+
+@netns_only
+def test_an_evict_on_the_peer_waits_for_the_transfer_or_revokes_it(
+    room: Path, link: Link, pki: Pki
+) -> None:
+    a_node, b_node = _nodes(room, link, big=True)
+    serving = _serving_args(
+        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "262144"
+    )
+    seeding = [*_seeding_args(pki, link), "--seed-chunk-bytes", "65536"]
+    with _running(a_node, serving) as a, _running(b_node, seeding, wait=False) as b:
+        _wait_for_progress(b)
+        with grpc.insecure_channel(f"unix:{a.socket}") as channel:
+            stub = pb_grpc.WeightCacheServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Evict(pb.EvictRequest(name="big"), timeout=10)
+            stub.Evict(pb.EvictRequest(name="big", force=True), timeout=10)
+        b.wait_ready(models=1)
+        model = _model(b)
+        [failed] = _events(b, SEED_FAILED)
+        held_by_a = list_models(a.socket)
+
+    failure = rpc_failure(refused.value)
+    assert (failure.reason, failure.metadata) == ("LEASES_ACTIVE", {"model": "big", "leases": "1"})
+    assert held_by_a == []
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
+    assert failed["result"] == "transfer"
+    assert str(failed["why"]).startswith(
+        f"from {link.a_ip}:{PORT}: ReadSeedData: NOT_FOUND: the transfer lease ended "
+        "(released, expired, or revoked by an evict or a drain)"
+    )
+
+
+@netns_only
+@pytest.mark.parametrize(
+    ("case", "extra", "why"),
+    [
+        (
+            "no mutual TLS",
+            ["--allow-seeding"],
+            "BeginSeed needs an authenticated peer: the Unix socket, or TCP with a client "
+            "certificate that the daemon's --tls-client-ca signed",
+        ),
+        (
+            "no allow rule",
+            ["--tls-client-ca", "CA"],
+            "BeginSeed refused: seeding is off on this daemon (started without --allow-seeding)",
+        ),
+    ],
+)
+def test_a_peer_that_does_not_allow_it_is_refused(
+    room: Path, link: Link, pki: Pki, *, case: str, extra: list[str], why: str
+) -> None:
+    a_node, b_node = _nodes(room, link)
+    extra = [str(pki.ca) if arg == "CA" else arg for arg in extra]
+    serving = _serving_args(pki, link, *extra)
+    with _running(a_node, serving), _running(b_node, _seeding_args(pki, link)) as b:
+        model = _model(b)
+        [failed] = _events(b, SEED_FAILED)
+
+    code = "UNAUTHENTICATED" if case == "no mutual TLS" else "PERMISSION_DENIED"
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
+    assert failed["result"] == "refused"
+    assert failed["why"] == f"BeginSeed {link.a_ip}:{PORT}: {code}: {why}"
+
+
+# -- the data plane's wire format (no namespace needed) ----------------------------------
+
+
+@pytest.mark.parametrize(("offset", "data"), [(0, b""), (0, b"abc"), (300, bytes(range(256)) * 3)])
+def test_raw_responses_are_the_message_on_the_wire(offset: int, data: bytes) -> None:
+    from weightcache_service.arena import SharedMemoryArena, Slot, align
+    from weightcache_service.dataplane import parse_response
+    from weightcache_service.seed_serve import response_bytes
+
+    arena = SharedMemoryArena(max(align(offset + len(data)), 256), "weightcache-seedtest-")
+    try:
+        slot = Slot("t", "U8", (len(data),), offset, len(data))
+
+        def fill(out: memoryview) -> None:
+            out[:] = data
+
+        arena.read_into(slot, fill)
+        raw = response_bytes(arena, offset, len(data))
+    finally:
+        arena.close()
+    message = pb.ReadSeedDataResponse.FromString(raw)
+    at, view = parse_response(message.SerializeToString())
+
+    assert (message.offset, message.data) == (offset, data)
+    assert (at, bytes(view)) == (offset, data)
+    assert parse_response(raw)[0] == offset
