@@ -81,6 +81,12 @@ def test_the_resolver_names_the_snapshot_and_the_model(
 ) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(cache.root))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads its environment once, at import: another test may have
+    # imported it already, so its constant is set too.
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache.root))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
     found = hub.find(REPO_ID)
     tagged = hub.find(f"{REPO_ID}@v1")
