@@ -11,8 +11,6 @@ in separate processes."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,10 +23,9 @@ from tests.support import (
     DaemonPool,
     WorkerPool,
     assert_attached,
-    child_env,
-    cli_command,
     run_cli,
 )
+from tests.test_operators import log_events, run_cli_env
 from tests.test_probes import free_port, scrape
 from weightcache.core import hub
 from weightcache.testing.checkpoints import assert_bitwise_equal
@@ -60,20 +57,8 @@ def cache(checkpoints: Checkpoints, tmp_path: Path) -> Hub:
     return Hub(tmp_path / "hub", checkpoints.single)
 
 
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*cli_command(), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env(env),
-        check=False,
-    )
-
-
-def json_lines(text: str, event: str) -> list[dict[str, object]]:
-    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    return [line for line in lines if line.get("event") == event]
+cli = run_cli_env
+json_lines = log_events
 
 
 def test_the_resolver_names_the_snapshot_and_the_model(
