@@ -250,17 +250,22 @@ class WeightCache:
             return checkpoint, pipeline, fp
 
         checkpoint, pipeline, fp = await asyncio.to_thread(prepare)
+
+        def add(fp: Fingerprint) -> Entry:
+            # The unlinked bytes are read at each try: a revoked arena may be gone by then.
+            return self.store.add(
+                checkpoint,
+                recipe,
+                placement,
+                pipeline,
+                fp,
+                unlinked=self.unlinked_bytes(),
+                name=name,
+            )
+
         try:
             try:
-                entry = self.store.add(
-                    checkpoint,
-                    recipe,
-                    placement,
-                    pipeline,
-                    fp,
-                    unlinked=self.unlinked_bytes(),
-                    name=name,
-                )
+                entry = add(fp)
             except ResourceExhaustedError:
                 if not fp.pending:
                     raise
@@ -273,15 +278,7 @@ class WeightCache:
                 )
                 for other in self.store.loading_as(fp):
                     await asyncio.to_thread(other.finished.wait)
-                entry = self.store.add(
-                    checkpoint,
-                    recipe,
-                    placement,
-                    pipeline,
-                    fp,
-                    unlinked=self.unlinked_bytes(),
-                    name=name,
-                )
+                entry = add(fp)
         except BaseException:
             checkpoint.close()
             raise
