@@ -301,7 +301,8 @@ def measure(
     loads: dict[str, list[float]] = {mode: [] for mode in modes}
     reads: dict[str, list[float]] = {mode: [] for mode in modes}
     sources = dict.fromkeys(("attach", "copy"), "cache")
-    disk = ("disk", "fallback", "safetensors", "safe_open", "torch_load", "mmap")
+    disk = ["disk", "fallback", "disk_first", "fallback_first"]
+    disk += ["safetensors", "safe_open", "torch_load", "mmap"]
     sources |= dict.fromkeys(disk, "disk")
     for _ in range(repeat):
         for mode in modes:

@@ -8,7 +8,9 @@ MODE is one of attach, copy, disk, safetensors, fingerprint, rpc (``attach_vs_di
 or fallback, safe_open, torch_load, mmap (the other loaders ``matrix.py`` compares):
 ``fallback`` is ``weightcache.load`` with a socket no daemon listens on (``S.absent``), so
 that it loads from disk with ``DAEMON_UNAVAILABLE``, the path of a worker without daemon;
-``idle`` loads nothing (the imports alone: the baseline of a memory measurement).
+``idle`` loads nothing (the imports alone: the baseline of a memory measurement);
+``disk_first`` and ``fallback_first`` are ``disk`` and ``fallback`` with an empty hash
+cache (``$WEIGHTCACHE_HASH_CACHE`` a new folder), as on a host where no daemon ever ran.
 With ``--hold`` the worker then prints ``ready`` and keeps what it loaded until its stdin
 closes, so that ``matrix.py`` can read its memory beside its siblings'.
 
@@ -43,7 +45,9 @@ import argparse
 import ctypes
 import json
 import mmap
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,8 +68,10 @@ RPC_TIMEOUT = 60.0
 
 MODES = (
     "attach", "copy", "disk", "fallback", "safetensors", "fingerprint", "rpc", "safe_open",
-    "torch_load", "mmap", "idle",
+    "torch_load", "mmap", "idle", "disk_first", "fallback_first",
 )  # fmt: skip
+#: Suffix of a mode run with an empty hash cache: a first load, no daemon ever ran here.
+FIRST = "_first"
 
 
 def touch(tensors: dict[str, torch.Tensor]) -> int:
@@ -310,6 +316,11 @@ def main() -> None:
         result = mmap_and_touch(args.model_dir)
     elif args.mode == "rpc":
         result = rpc_only(args.socket)
+    elif args.mode.endswith(FIRST):
+        with tempfile.TemporaryDirectory(prefix="hash-cache-") as empty:
+            os.environ["WEIGHTCACHE_HASH_CACHE"] = empty  # read at each lookup
+            mode = args.mode.removesuffix(FIRST)
+            result = load_and_touch(mode, args.model_dir, args.socket, args.level)
     else:
         result = load_and_touch(args.mode, args.model_dir, args.socket, args.level)
     with open(args.out, "w") as out:

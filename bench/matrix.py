@@ -76,6 +76,8 @@ TIMED = {
     "copy": 'weightcache.load(dir, socket=S, mode="copy", fallback=False)',
     "disk": "weightcache.load_from_disk(dir)",
     "fallback": "weightcache.load(dir, socket=<none there>): its DAEMON_UNAVAILABLE fallback",
+    "disk_first": "disk with an empty hash cache (no daemon ever ran on this host)",
+    "fallback_first": "fallback with an empty hash cache",
 }
 MODES = tuple(TIMED)
 #: mode -> the worker's name for it, where they differ.
@@ -90,6 +92,8 @@ STYLE = {
     "copy": ("-", "^"),
     "disk": ("-", "P"),
     "fallback": ("-", "*"),
+    "disk_first": ("-", "p"),
+    "fallback_first": ("-", "h"),
 }
 HOW_TO_PLOT = (
     "matplotlib is not installed, so no plot: `make bench` installs it (the `bench` extra,\n"

@@ -10,6 +10,7 @@ other tensors were mapped and before the shards' identity is checked.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -222,3 +223,54 @@ def test_settle_writes_dirty_pages_back_without_fdatasync(
 
     assert fdatasyncs == []
     assert after > settled  # the write after settle faulted and stamped the file
+
+
+def test_the_fingerprint_of_a_disk_load_is_computed_when_first_read(
+    checkpoints: Checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load from disk reads no byte for a fingerprint (issue 29: at the default level
+    ``full`` an uncached shard would be hashed whole, several times ``load_file``'s time);
+    the first read of ``fingerprint`` computes it from the same files, as the daemon does."""
+    cache = tmp_path / "hash-cache"
+    monkeypatch.setenv("WEIGHTCACHE_HASH_CACHE", str(cache))
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoints.sharded, folder)
+    time.sleep(4 * FINE_GRANULE_NS / 1e9)  # so that their identities vouch: cached when hashed
+    absent = str(tmp_path / "none.sock")
+
+    from_disk = weightcache.load_from_disk(folder)
+    fallback = weightcache.load(folder, socket=absent)
+    nothing_hashed = not cache.exists() or not any(cache.iterdir())
+
+    first = from_disk.fingerprint
+    with weightcache.open_checkpoint(folder) as checkpoint:
+        expected = weightcache.compute_fingerprint(
+            checkpoint, weightcache.Recipe(), weightcache.Placement()
+        )
+    assert nothing_hashed
+    assert first == fallback.fingerprint == expected
+    digests = {
+        name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        for name in (SHARD_1, SHARD_2)
+    }
+    assert sorted(p.read_text().split()[0] for p in cache.iterdir()) == sorted(digests.values())
+    assert_bitwise_equal(from_disk.tensors, checkpoints.tensors)
+
+
+@pytest.mark.parametrize("mode", ["zero_copy", "copy"])
+def test_a_fingerprint_read_after_its_files_changed_is_refused(
+    checkpoints: Checkpoints, tmp_path: Path, mode: str
+) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoints.sharded, folder)
+    weights = weightcache.load_from_disk(folder, mode=mode)  # type: ignore[arg-type]
+    replaced = folder / SHARD_2
+    shutil.copyfile(checkpoints.sharded / SHARD_2, tmp_path / "new")
+    os.replace(tmp_path / "new", replaced)  # same bytes, another file: another identity
+
+    with pytest.raises(weightcache.InvalidCheckpointError) as raised:
+        _ = weights.fingerprint
+
+    assert raised.value.reason == "INVALID_CHECKPOINT"
+    assert "a file changed since these weights were loaded" in str(raised.value)
+    assert_bitwise_equal(weights.tensors, checkpoints.tensors)  # the old file stays mapped

@@ -21,14 +21,19 @@ do), which leaves a mapping of the old one intact; ``copy`` is immune either way
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import cast
 
 import torch
 
 from weightcache._handles import build_views
-from weightcache.core.checkpoint import Checkpoint, ShardInfo, TensorInfo
+from weightcache.core.checkpoint import Checkpoint, ShardInfo, TensorInfo, open_checkpoint
 from weightcache.core.dtypes import itemsize
+from weightcache.core.errors import InvalidCheckpointError
+from weightcache.core.fingerprint import Fingerprint, Level, compute_fingerprint
 from weightcache.core.pipeline import CheckpointReader, Node, materialize
+from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.records import ViewColumns
 
 
@@ -60,6 +65,50 @@ def read_tensors(
     # The fingerprint was computed from these files before they were mapped or read here.
     checkpoint.check_unchanged()
     return tensors
+
+
+def fingerprint_later(
+    path: str | os.PathLike[str],
+    checkpoint: Checkpoint,
+    recipe: Recipe,
+    placement: Placement,
+    level: Level,
+) -> Callable[[], Fingerprint]:
+    """The fingerprint of a checkpoint loaded from disk, to compute when first asked.
+
+    A load from disk needs no fingerprint (no daemon is asked), yet computing it at the
+    default level ``full`` costs a hash-cache lookup per shard, or a read of every byte
+    where the cache has no digest: more than ``safetensors.torch.load_file`` takes for a
+    small checkpoint. So ``LoadedWeights.fingerprint`` calls this instead: it opens
+    ``path`` again and fingerprints it when its files are the very files loaded (the
+    identities of ``checkpoint``: dev, inode, size, mtime, ctime of every shard and of
+    the index), as :func:`compute_fingerprint` would have at the load.
+
+    Args:
+        path: what was opened (a folder or a ``.safetensors`` file; a Hub snapshot).
+        checkpoint: the checkpoint as loaded (its files may be closed).
+        recipe, placement, level: the load's.
+
+    Returns:
+        A callable that returns the fingerprint, and raises
+        :class:`InvalidCheckpointError` when a file changed (or was replaced) since the
+        load, or the checkpoint is no longer valid: no fingerprint then describes the
+        bytes that were loaded.
+    """
+    loaded = checkpoint.file_identities()
+
+    def compute() -> Fingerprint:
+        with open_checkpoint(path) as again:
+            if again.file_identities() != loaded:
+                raise InvalidCheckpointError(
+                    f"{checkpoint.root}: a file changed since these weights were loaded "
+                    "from it; no fingerprint describes the bytes loaded"
+                )
+            fingerprint = compute_fingerprint(again, recipe, placement, level)
+            again.check_unchanged()
+            return fingerprint
+
+    return compute
 
 
 def _mapped_views(checkpoint: Checkpoint, nodes: dict[str, Node]) -> dict[str, torch.Tensor]:

@@ -38,7 +38,7 @@ from typing import ClassVar, Literal, Union, Unpack
 import torch
 
 from weightcache import _sharing
-from weightcache._disk import read_tensors
+from weightcache._disk import fingerprint_later, read_tensors
 from weightcache._handles import (
     MappedArena,
     SegmentGoneError,
@@ -162,7 +162,7 @@ class LoadedWeights:
         tensors: dict[str, torch.Tensor],
         *,
         source: Source,
-        fingerprint: Fingerprint,
+        fingerprint: Fingerprint | Callable[[], Fingerprint],
         checkpoint: Checkpoint | Path,
         fallback_reason: FallbackReason | None = None,
         lease: ClientLease | None = None,
@@ -176,13 +176,28 @@ class LoadedWeights:
         self._checkpoint = checkpoint
         self._metadata = metadata
         self.source: Source = source
-        self.fingerprint = fingerprint
+        self._fingerprint = fingerprint
         self.fallback_reason = fallback_reason
         self.lease = lease
         self.socket = socket
         self.model = model
         # The lease's sharing among this process's loads, for a shared-memory lease.
         self._shared: _sharing.SharedLease | None = None
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        """The model's fingerprint: the daemon's for weights from the cache; for weights
+        loaded from disk without a daemon's answer, computed from the files at first
+        access (:func:`weightcache._disk.fingerprint_later`: a load from disk does not
+        pay for a fingerprint nobody reads).
+
+        Raises:
+            InvalidCheckpointError: computed at first access, a file of the checkpoint
+                changed since the load (or no longer validates).
+        """
+        if not isinstance(self._fingerprint, Fingerprint):
+            self._fingerprint = self._fingerprint()
+        return self._fingerprint
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -327,7 +342,7 @@ def load(
             return attempt
         with open_checkpoint(model_dir) as checkpoint:
             return _load_checkpoint(
-                checkpoint, recipe, placement, opts, attach=attach, refusal=attempt
+                model_dir, checkpoint, recipe, placement, opts, attach=attach, refusal=attempt
             )
 
 
@@ -358,6 +373,7 @@ def _attach_of(opts: LoadOptions) -> _AttachOrError:
 
 
 def _load_checkpoint(
+    path: str | os.PathLike[str],
     checkpoint: Checkpoint,
     recipe: Recipe,
     placement: Placement,
@@ -367,13 +383,18 @@ def _load_checkpoint(
     refusal: WeightCacheError | None,
 ) -> LoadedWeights:
     """Attach by fingerprint, or load from disk; ``refusal`` is the daemon's final answer
-    to an Acquire by file identity, which is not asked again."""
+    to an Acquire by file identity (or the socket's absence), which is not asked again:
+    then no fingerprint is computed unless the weights' is read
+    (:func:`weightcache._disk.fingerprint_later`)."""
     pipeline = recipe.build(checkpoint, placement)
-    fp = compute_fingerprint(checkpoint, pipeline, placement, opts.fingerprint_level)
-    checkpoint.check_unchanged()  # else the fingerprint may mix two versions
+    level = opts.fingerprint_level
+    fp: Fingerprint | Callable[[], Fingerprint]
     try:
         if refusal is not None:
+            fp = fingerprint_later(path, checkpoint, recipe, placement, level)
             raise refusal
+        fp = compute_fingerprint(checkpoint, pipeline, placement, level)
+        checkpoint.check_unchanged()  # else the fingerprint may mix two versions
         if not isinstance(attach, _Attach):
             raise attach
         return attach.run(checkpoint, fp)
@@ -413,8 +434,16 @@ def _attach_by_files(
     """
     if isinstance(attach, WeightCacheError):  # DeviceNotVisibleError: no socket to ask
         return attach
+    if isinstance(attach, ValueError):
+        return None
+    try:
+        # The socket first: without a daemon, its absence is the answer, and listing
+        # the files and hashing the request (about 0.3 ms) would be for nothing.
+        attach.socket_owner()
+    except WeightCacheError as err:
+        return err
     found = file_identities(model_dir)
-    if found is None or isinstance(attach, ValueError):
+    if found is None:
         return None
     root, files = found
     try:
@@ -490,10 +519,12 @@ def load_from_disk(
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
-    with _gc_paused(), open_checkpoint(local_folder(model_dir)) as checkpoint:
+    path = local_folder(model_dir)
+    with _gc_paused(), open_checkpoint(path) as checkpoint:
         placement = Placement(tp_rank, tp_size)
-        pipeline = _recipe_of(options).build(checkpoint, placement)
-        fp = compute_fingerprint(checkpoint, pipeline, placement, fingerprint_level)
+        recipe = _recipe_of(options)
+        pipeline = recipe.build(checkpoint, placement)
+        fp = fingerprint_later(path, checkpoint, recipe, placement, fingerprint_level)
         return _from_disk(checkpoint, pipeline, fp, None, mode)
 
 
@@ -505,7 +536,7 @@ def _recipe_of(options: LoadOptions) -> Recipe:
 def _from_disk(
     checkpoint: Checkpoint,
     pipeline: Pipeline,
-    fp: Fingerprint,
+    fp: Fingerprint | Callable[[], Fingerprint],
     reason: FallbackReason | None,
     mode: Mode,
 ) -> LoadedWeights:
@@ -620,7 +651,7 @@ class _Attach:
         *,
         share: bool,
     ) -> LoadedWeights:
-        owner = self._check_socket()
+        owner = self.socket_owner()
         request.worker.CopyFrom(worker_pb(describe_worker(self.mode)))
         # Copy mode keeps no lease to share: no key is made for it.
         key = self._sharing_key(request) if self.mode == "zero_copy" else None
@@ -730,7 +761,15 @@ class _Attach:
         if held.leave(None):
             end_lease(self.socket, held.lease)
 
-    def _check_socket(self) -> int:
+    def socket_owner(self) -> int:
+        """The uid that owns the daemon's socket, once it is there and trusted; with
+        ``wait_for_daemon``, waiting up to ``wait_timeout`` for it to appear.
+
+        Raises:
+            DaemonUnavailableError: no socket there (in time), or not one this process
+                may connect to.
+            UntrustedSocketError: the socket's owner is not trusted.
+        """
         deadline = time.monotonic() + (self.wait_timeout if self.wait_for_daemon else 0.0)
         while True:
             try:
