@@ -3,7 +3,9 @@
 
 Run as root (it makes two network namespaces and a veth pair, removed at the end):
 
-    .venv/bin/python bench/seed_mooncake_ceiling.py --gib 2 --rounds 2
+    .venv/bin/python -m pip install mooncake-transfer-engine-non-cuda  # not a dependency
+    apt-get install libibverbs1  # the engine loads it at import, even for TCP
+    MC_TCP_SLICE_SIZE=16777216 .venv/bin/python bench/seed_mooncake_ceiling.py --gib 2 --rounds 2
 
 Namespace A: one process with a ``--gib`` GiB anonymous buffer of random bytes,
 registered with a ``TransferEngine`` (``P2PHANDSHAKE``, protocol ``tcp``). Namespace B:
