@@ -598,9 +598,3 @@ def test_a_populated_arena_is_written_without_page_faults() -> None:
         arena.close()
     assert got == [data]
     assert faults < 1024  # a fault per page would be 16384 (other threads fault a few)
-
-
-def test_the_daemon_keeps_freed_megabyte_buffers_where_glibc_runs() -> None:
-    from weightcache_service.server import tune_malloc
-
-    assert tune_malloc() is bool(os.confstr("CS_GNU_LIBC_VERSION"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import os
@@ -782,43 +781,6 @@ def _bind_path(socket: str) -> str:
     return bound if len(os.fsencode(bound)) <= MAX_SOCKET_PATH else socket
 
 
-#: glibc's ``mallopt`` parameters (``malloc.h``).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-#: Blocks up to this size come from malloc's heaps, larger ones from ``mmap``: glibc's
-#: largest allowed value on 64-bit (a ReadSeedData message is at most 16 MiB).
-MALLOC_MMAP_THRESHOLD = 32 << 20
-#: Free bytes malloc keeps at the top of a heap instead of giving them back to the kernel.
-MALLOC_TRIM_THRESHOLD = 64 << 20
-
-
-def tune_malloc() -> bool:
-    """Keep freed blocks of up to a few tens of MiB in glibc's heaps for reuse.
-
-    Seeding makes and frees a buffer of megabytes per message, on both daemons (the
-    message serialized out of the arena, gRPC's own buffers, the bytes gRPC Python hands
-    the seeder). With glibc's defaults each is a fresh ``mmap`` or a heap grown and
-    trimmed again, so every byte also costs a page fault and the kernel zeroing a page:
-    with the seeder's own arena's faults (:meth:`.SharedMemoryArena.populate`), about 30 %
-    of both daemons' CPU samples in a seed between two namespaces (perf; bench/README.md,
-    issue 30). At most :data:`MALLOC_TRIM_THRESHOLD` free bytes stay with a heap (a
-    thread's heap holds 64 MiB at most).
-
-    Returns:
-        True when set; False on another C library than glibc (nothing is changed).
-    """
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return False
-        mallopt = ctypes.CDLL(None).mallopt
-    except (ValueError, OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
-    )
-
-
 def run_daemon(config: DaemonConfig) -> None:
     """Run a daemon in the foreground until SIGTERM, SIGINT, SIGQUIT or SIGXCPU (what each
     signal does: :mod:`weightcache_service.signals`).
@@ -836,7 +798,6 @@ def run_daemon(config: DaemonConfig) -> None:
         signals.install(loop, daemon.on_signal, lambda: daemon.stop(True))
         await daemon.run()
 
-    tune_malloc()
     asyncio.run(main())
 
 
