@@ -567,3 +567,34 @@ def test_raw_responses_are_the_message_on_the_wire(offset: int, data: bytes) -> 
     assert (message.offset, message.data) == (offset, data)
     assert (at, bytes(view)) == (offset, data)
     assert parse_response(raw)[0] == offset
+
+
+# -- what spares a seed page faults (no namespace needed) --------------------------------
+
+_POPULATE = tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (5, 14)
+
+
+@pytest.mark.skipif(not _POPULATE, reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_a_populated_arena_is_written_without_page_faults() -> None:
+    import resource
+
+    from weightcache_service.arena import SharedMemoryArena, Slot
+
+    size = 64 << 20  # 16384 pages of 4 KiB
+    data = bytes(range(256)) * (size // 256)
+    arena = SharedMemoryArena(size, "weightcache-seedtest-")
+    try:
+        assert arena.populate() is True
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+        def fill(out: memoryview) -> None:
+            out[:] = data
+
+        arena.read_into(Slot("t", "U8", (size,), 0, size), fill)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        got: list[bytes] = []
+        arena.read_into(Slot("t", "U8", (size,), 0, size), lambda view: got.append(bytes(view)))
+    finally:
+        arena.close()
+    assert got == [data]
+    assert faults < 1024  # a fault per page would be 16384 (other threads fault a few)

@@ -29,6 +29,10 @@ from weightcache.core.records import SharedMemoryHandle, StorageHandle, TensorVi
 from weightcache.core.sockets import SHM_DIR
 from weightcache_service.segments import segment_name
 
+#: ``madvise(2)``'s MADV_POPULATE_WRITE (Linux 5.14+; Python's mmap module names it only
+#: from 3.13).
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
 ALIGNMENT = 256
 #: errno values of a segment creation that mean "out of a resource": space or inodes of
 #: the tmpfs (ENOSPC, EDQUOT), file descriptors (EMFILE, ENFILE), kernel memory (ENOMEM).
@@ -158,6 +162,23 @@ class SharedMemoryArena:
     def write(self, slot: Slot, tensor: torch.Tensor) -> None:
         """Copy ``tensor``'s bytes into its slot (dtype and shape must match the slot)."""
         write_slot(self._base, slot, tensor)
+
+    def populate(self) -> bool:
+        """Map every page of the segment writable now, in one ``madvise(2)``
+        (``MADV_POPULATE_WRITE``, Linux 5.14+), for a caller about to write every byte
+        through the mapping (a seed): one page fault per 4 KiB page otherwise, which on
+        this project's VMs cost more CPU than the copy itself. The pages are already
+        allocated (``posix_fallocate`` at creation); nothing is written.
+
+        Returns:
+            True when populated; False when the kernel refused (older than 5.14, or a
+            sandbox): the pages then fault in as they are written, as before.
+        """
+        try:
+            self._mmap.madvise(MADV_POPULATE_WRITE)
+        except OSError:
+            return False
+        return True
 
     def read_into(self, slot: Slot, fill: Callable[[memoryview], None]) -> None:
         """Let ``fill`` write the slot's bytes straight into shared memory (no copy)."""

@@ -5,9 +5,12 @@ transfer engine, NIXL) can be added beside the one implemented here,
 :class:`GrpcStreamPlane`: ``ReadSeedData`` server-streaming calls over the same
 mutual-TLS gRPC channel as ``BeginSeed``, several in parallel over contiguous ranges.
 
-Why not Mooncake's transfer engine today (docs/seeding.md, "Data plane"): over TCP it
-authenticates no reader (whoever reaches its port reads a registered region), and on this
-machine it was not faster than gRPC streaming.
+Why not Mooncake's transfer engine today (docs/seeding.md, "Data plane", with the
+figures of ``bench/seed_mooncake_ceiling.py``): over TCP it authenticates no peer, listens
+on every interface, and lets whoever reaches it read and write a registered region; and
+between two network namespaces here it moved a bare 2 GiB buffer at 0.24x to 0.40x of the
+link (median), before any hashing: too slow to reach the goal even with a staging copy
+that would keep held arenas off the network.
 """
 
 from __future__ import annotations

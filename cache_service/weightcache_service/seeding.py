@@ -42,7 +42,7 @@ from weightcache.core.fingerprint import (
 from weightcache.core.protocol import fingerprint_pb
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
-from weightcache_service.arena import Arena, Slot
+from weightcache_service.arena import Arena, SharedMemoryArena, Slot
 from weightcache_service.cache import CacheEvents
 from weightcache_service.dataplane import (
     DEFAULT_CHUNK_BYTES,
@@ -216,6 +216,8 @@ class Seeder:
                 entry.bytes_done = min(entry.bytes_done + len(data), entry.data_bytes)
 
             pulled = time.monotonic()
+            if isinstance(arena, SharedMemoryArena):
+                arena.populate()  # every byte is written through the mapping: no faults
             names, ranges = shard_ranges(entry)
             futures: dict[int, Future[str]] = {}
             with ThreadPoolExecutor(max_workers=2) as hashers:
