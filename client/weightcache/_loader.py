@@ -485,8 +485,10 @@ def load_from_disk(
 ) -> LoadedWeights:
     """Load a checkpoint from disk with the recipe ``load()`` would apply; no daemon.
 
-    The same headers are validated, the same fingerprint computed and the same recipe
-    applied as by :func:`load`, whose disk fallback this is (:mod:`weightcache._disk`).
+    The same headers are validated and the same recipe applied as by :func:`load`, whose
+    disk fallback this is (:mod:`weightcache._disk`). The same fingerprint is computed
+    when the result's ``fingerprint`` is first read, not before: a load reads no byte of
+    the checkpoint for it.
 
     Args:
         model_dir: checkpoint folder (``model.safetensors`` or a sharded index), one
