@@ -122,6 +122,20 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json | node-dep
 test-node: $(STAMP) node-deps $(NODE_STAMP)
 	cd $(NODE_DIR) && WEIGHTCACHE_PYTHON=$(abspath $(PY)) node --test test/*.test.mjs
 
+# $(call apt_install,TARGET,PACKAGES): install those of the Debian PACKAGES that are
+# missing (apt-get, as root or through sudo), nothing when all are there; on a system
+# without dpkg, say what to install (TARGET names who asks).
+apt_install = if ! command -v dpkg-query >/dev/null; then \
+		echo "$(1): not a Debian system; install the equivalents of: $(2)"; exit 0; fi; \
+	missing=""; for p in $(2); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" \
+			|| missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "$(1): installing$$missing"; \
+		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			$$sudo apt-get install -y -qq --no-install-recommends $$missing; fi
+
 # What tests/test_seeding.py needs beyond the venv: the ip command (iproute2) to make its
 # network namespaces and veth pair, and the openssl command for its test certificates
 # (used when the cryptography package is absent). Installs only what is missing (apt-get,
@@ -130,16 +144,7 @@ test-node: $(STAMP) node-deps $(NODE_STAMP)
 SEED_APT := iproute2 openssl
 
 seed-deps:
-	@if ! command -v dpkg-query >/dev/null; then \
-		echo "seed-deps: not a Debian system; install the equivalents of: $(SEED_APT)"; exit 0; fi; \
-	missing=""; for p in $(SEED_APT); do \
-		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" \
-			|| missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-		echo "seed-deps: installing$$missing"; \
-		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
-		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-			$$sudo apt-get install -y -qq --no-install-recommends $$missing; fi
+	@$(call apt_install,seed-deps,$(SEED_APT))
 
 test: $(STAMP) cpp native check-protos lint test-node promtool seed-deps
 	$(PY) -m pytest
@@ -209,16 +214,7 @@ CPP_APT   := g++ make cmake pkg-config libgrpc++-dev protobuf-compiler-grpc libp
 	protobuf-compiler libssl-dev nlohmann-json3-dev
 
 cpp-deps:
-	@if ! command -v dpkg-query >/dev/null; then \
-		echo "cpp-deps: not a Debian system; install the equivalents of: $(CPP_APT)"; exit 0; fi; \
-	missing=""; for p in $(CPP_APT); do \
-		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" \
-			|| missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-		echo "cpp-deps: installing$$missing"; \
-		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
-		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-			$$sudo apt-get install -y -qq --no-install-recommends $$missing; fi
+	@$(call apt_install,cpp-deps,$(CPP_APT))
 
 # Reuses .build/cpp: only what changed is rebuilt.
 cpp: cpp-deps

@@ -406,24 +406,28 @@ def _shard_sha(node: Node) -> str:
     ).hexdigest()
 
 
+def _throttled_args(pki: Pki, link: Link) -> tuple[list[str], list[str]]:
+    """A's and B's arguments for a seed slow enough to act during it: A serves each of
+    B's 4 streams at 256 KiB/s, in 64 KiB chunks (8 MiB take about 8 s)."""
+    serving = _serving_args(
+        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "262144"
+    )
+    return serving, [*_seeding_args(pki, link), "--seed-chunk-bytes", "65536"]
+
+
 @netns_only
 def test_a_peer_killed_mid_transfer_leaves_the_files_to_load(
     room: Path, link: Link, pki: Pki
 ) -> None:
     a_node, b_node = _nodes(room, link, big=True)
-    # 4 streams of 256 KiB/s in 64 KiB chunks: the 8 MiB take about 8 s, time enough to
-    # see some arrive and kill A midway.
-    serving = _serving_args(
-        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "262144"
-    )
-    with _running(a_node, serving) as a:
-        seeding = [*_seeding_args(pki, link), "--seed-chunk-bytes", "65536"]
-        with _running(b_node, seeding, wait=False) as b:
-            _wait_for_progress(b)
-            a.kill()
-            b.wait_ready(models=1)
-            model = _model(b)
-            [failed] = _events(b, SEED_FAILED)
+    # Throttled: time enough to see some bytes arrive and kill A midway.
+    serving, seeding = _throttled_args(pki, link)
+    with _running(a_node, serving) as a, _running(b_node, seeding, wait=False) as b:
+        _wait_for_progress(b)
+        a.kill()
+        b.wait_ready(models=1)
+        model = _model(b)
+        [failed] = _events(b, SEED_FAILED)
 
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
     assert model.fingerprint.digest == _model_digest(b_node)
@@ -481,10 +485,7 @@ def test_an_evict_on_the_peer_waits_for_the_transfer_or_revokes_it(
     room: Path, link: Link, pki: Pki
 ) -> None:
     a_node, b_node = _nodes(room, link, big=True)
-    serving = _serving_args(
-        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "262144"
-    )
-    seeding = [*_seeding_args(pki, link), "--seed-chunk-bytes", "65536"]
+    serving, seeding = _throttled_args(pki, link)
     with _running(a_node, serving) as a, _running(b_node, seeding, wait=False) as b:
         _wait_for_progress(b)
         with grpc.insecure_channel(f"unix:{a.socket}") as channel:

@@ -659,9 +659,14 @@ class Daemon:
                 log.warning("already held", path=spec.path, error=err.detail)
                 if spec.required and "model" in err.metadata:
                     self.health.require(err.metadata["model"])
-            except WeightCacheError as err:
+            except Exception as err:
+                # Never let one model stop the others or leave health NOT_SERVING forever.
                 if spec.required:
                     self.health.refused()
+                if isinstance(err, WeightCacheError):
+                    log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
+                else:
+                    log.exception("cannot preload", path=spec.path, error=repr(err))
                 # A model refused for lack of memory stays listed (FAILED): counted below.
                 if not isinstance(err, ResourceExhaustedError):
                     self.cache.refuse(
@@ -672,20 +677,6 @@ class Daemon:
                         err,
                         name=spec.name,
                     )
-                log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
-            except Exception as err:
-                # Never let one model stop the others or leave health NOT_SERVING forever.
-                if spec.required:
-                    self.health.refused()
-                log.exception("cannot preload", path=spec.path, error=repr(err))
-                self.cache.refuse(
-                    spec.path,
-                    spec.recipe,
-                    spec.placement,
-                    spec.fingerprint_level,
-                    err,
-                    name=spec.name,
-                )
         self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         for entry in required:
