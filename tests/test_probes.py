@@ -37,14 +37,6 @@ from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 SERVICES = ("", "readiness", "liveness", SERVICE_NAME)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the daemon binds it right after)."""
-    with socketlib.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 @contextlib.contextmanager
 def health_stub(port: int) -> Iterator[health_pb2_grpc.HealthStub]:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -73,8 +65,8 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_health_listener_serves_health_only(daemons: DaemonPool, checkpoints: Checkpoints) -> None:
-    port = free_port()
-    daemon = daemons.start([checkpoints.single], args=["--health-listen", f"127.0.0.1:{port}"])
+    daemon = daemons.start([checkpoints.single], args=["--health-listen", "127.0.0.1:0"])
+    port = daemon.bound_port("health")
     wait_until(lambda: statuses(port)["readiness"] == "SERVING", timeout=30)
 
     assert statuses(port) == dict.fromkeys(SERVICES, "SERVING")
@@ -97,10 +89,10 @@ def test_failed_required_preload_keeps_the_daemon_unready(
     daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
     bad = write_malformed(tmp_path / "bad", "invalid-json")
-    port = free_port()
     daemon = daemons.start(
-        [checkpoints.single, bad], args=["--health-listen", f"127.0.0.1:{port}"]
+        [checkpoints.single, bad], args=["--health-listen", "127.0.0.1:0"]
     )  # waits for the start-up preloads to end
+    port = daemon.bound_port("health")
 
     assert statuses(port) == {
         "": "NOT_SERVING",
@@ -125,20 +117,19 @@ def test_only_the_required_models_count(
     daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
     bad = write_malformed(tmp_path / "bad", "invalid-json")
-    port = free_port()
-    daemons.start(
+    daemon = daemons.start(
         [checkpoints.single, bad],
-        args=["--health-listen", f"127.0.0.1:{port}", "--require", str(checkpoints.single)],
+        args=["--health-listen", "127.0.0.1:0", "--require", str(checkpoints.single)],
     )
 
-    assert statuses(port)["readiness"] == "SERVING"
+    assert statuses(daemon.bound_port("health"))["readiness"] == "SERVING"
 
 
 def test_readiness_flips_when_a_required_model_is_evicted(
     daemons: DaemonPool, checkpoints: Checkpoints
 ) -> None:
-    port = free_port()
-    daemon = daemons.start([checkpoints.single], args=["--health-listen", f"127.0.0.1:{port}"])
+    daemon = daemons.start([checkpoints.single], args=["--health-listen", "127.0.0.1:0"])
+    port = daemon.bound_port("health")
     wait_until(lambda: statuses(port)["readiness"] == "SERVING", timeout=30)
 
     with service_stub(daemon.socket) as stub:
@@ -165,11 +156,11 @@ def test_require_names_a_start_up_model(checkpoints: Checkpoints, tmp_path: Path
 def test_metrics_after_acquires(
     daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
-    port = free_port()
     daemon = daemons.start(
         [checkpoints.single],
-        args=["--metrics-listen", f"127.0.0.1:{port}", "--max-memory", "1GiB"],
+        args=["--metrics-listen", "127.0.0.1:0", "--max-memory", "1GiB"],
     )
+    port = daemon.bound_port("metrics")
     worker = workers.start()
     assert_attached(worker.load(checkpoints.single, socket=daemon.socket, key="hit"))
     with service_stub(daemon.socket) as stub, pytest.raises(grpc.RpcError) as refused:
@@ -239,11 +230,11 @@ def test_a_busy_or_malformed_listen_address_stops_the_start(daemons: DaemonPool,
 def test_a_draining_daemon_is_alive_but_not_ready(
     daemons: DaemonPool, workers: WorkerPool, checkpoints: Checkpoints
 ) -> None:
-    port = free_port()
     daemon = daemons.start(
         [checkpoints.single],
-        args=["--health-listen", f"127.0.0.1:{port}", "--drain-timeout", "60"],
+        args=["--health-listen", "127.0.0.1:0", "--drain-timeout", "60"],
     )
+    port = daemon.bound_port("health")
     worker = workers.start()
     # on_revoke="raise": the worker keeps its lease (no copy and release) at REVOKING, so
     # the drain stays open until it closes.

@@ -33,7 +33,6 @@ from tests.fault_support import (
     write_big_checkpoint,
 )
 from tests.support import DaemonPool, rpc_failure, run_cli, service_stub, wait_until
-from tests.test_probes import free_port
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.budget import cpu_available_bytes
 
@@ -121,7 +120,6 @@ def test_forced_evict_unlinks_without_copies_and_counts_the_mapped_bytes(
     daemons: DaemonPool, children: Children, big: tuple[Path, str, int], tmp_path: Path
 ) -> None:
     path, expected, total = big
-    metrics = free_port()
     remote = ["--allow-remote-preload", "--model-root", str(path.parent)]
     daemon = start_ready(
         daemons,
@@ -129,13 +127,14 @@ def test_forced_evict_unlinks_without_copies_and_counts_the_mapped_bytes(
         args=[
             *remote,
             "--metrics-listen",
-            f"127.0.0.1:{metrics}",
+            "127.0.0.1:0",
             "--max-memory",
             str(total * 3 // 2),
             "--drain-timeout",
             "60",
         ],
     )
+    metrics = daemon.bound_port("metrics")
     size = list_models(daemon.socket)["big"].size_bytes
     kids = children.start(2)
     for kid in kids:

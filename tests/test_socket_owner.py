@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support import Checkpoints, DaemonPool, health, run_cli, wait_until
-from tests.test_probes import SERVICES, free_port
+from tests.test_probes import SERVICES
 from weightcache.testing.daemon import Daemon
 from weightcache_service.socket_lock import SocketInUseError, SocketLock
 
@@ -72,8 +72,8 @@ def test_a_removed_lock_file_lets_no_second_daemon_take_the_socket(
 def test_a_removed_socket_turns_every_health_service_not_serving_and_stops(
     daemons: DaemonPool, checkpoints: Checkpoints
 ) -> None:
-    port = free_port()
-    daemon = daemons.start([checkpoints.single], args=["--health-listen", f"127.0.0.1:{port}"])
+    daemon = daemons.start([checkpoints.single], args=["--health-listen", "127.0.0.1:0"])
+    port = daemon.bound_port("health")
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         wait_until(

@@ -28,7 +28,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.http2_support import ZeroWindowStream, unix_connection
 from tests.support import Checkpoints, DaemonPool, service_stub, wait_until
-from tests.test_probes import free_port
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.access import FD_RESERVE, HANDSHAKE_TIMEOUT_MS, MAX_TCP_CONNECTIONS
 from weightcache_service.metrics import METRICS_IDLE_TIMEOUT
@@ -81,13 +80,13 @@ def test_sigterm_is_bounded_behind_zero_window_health_watches(
 def test_idle_tcp_connections_are_closed_and_the_fd_limit_is_raised(
     daemons: DaemonPool, checkpoints: Checkpoints
 ) -> None:
-    port = free_port()
     # A soft limit below the hard one, as shells and service managers often set it.
     daemon = daemons.start(
         [checkpoints.single],
-        args=["--health-listen", f"127.0.0.1:{port}"],
+        args=["--health-listen", "127.0.0.1:0"],
         wrap=["prlimit", "--nofile=256:4096", "--"],
     )
+    port = daemon.bound_port("health")
     limits = Path(f"/proc/{daemon.pid}/limits").read_text()
     line = next(row for row in limits.splitlines() if row.startswith("Max open files"))
     assert line.split()[3:5] == ["4096", "4096"], line
@@ -191,7 +190,6 @@ def all_held(pid: int, port: int, count: int) -> bool:
 def test_tcp_listeners_hold_a_bounded_number_of_connections(
     daemons: DaemonPool, checkpoints: Checkpoints
 ) -> None:
-    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
     # A hard limit the daemon cannot raise: the three listeners' bound leaves FD_RESERVE
     # descriptors free (a small one: the metrics listener starts a thread per connection,
     # slowly on a loaded machine, and must hold them all within its idle timeout).
@@ -201,13 +199,16 @@ def test_tcp_listeners_hold_a_bounded_number_of_connections(
     daemon = daemons.start(
         [checkpoints.single],
         args=[
-            *("--listen", f"127.0.0.1:{grpc_port}", "--insecure"),
-            *("--health-listen", f"127.0.0.1:{health_port}"),
-            *("--metrics-listen", f"127.0.0.1:{metrics_port}"),
+            *("--listen", "127.0.0.1:0", "--insecure"),
+            *("--health-listen", "127.0.0.1:0"),
+            *("--metrics-listen", "127.0.0.1:0"),
         ],
         wrap=["prlimit", f"--nofile={soft}:{soft}", "--"],
     )
     assert f"tcp_max_connections={bound}" in daemon.log(), daemon.log()
+    grpc_port, health_port, metrics_port = (
+        daemon.bound_port(listener) for listener in ("tcp", "health", "metrics")
+    )
     with service_stub(daemon.socket) as stub:
         instance = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).instance_id
     for port in (grpc_port, health_port, metrics_port):
@@ -237,8 +238,8 @@ def test_tcp_listeners_hold_a_bounded_number_of_connections(
 def test_the_metrics_listener_closes_silent_connections(
     daemons: DaemonPool, checkpoints: Checkpoints
 ) -> None:
-    port = free_port()
-    daemon = daemons.start([checkpoints.single], args=["--metrics-listen", f"127.0.0.1:{port}"])
+    daemon = daemons.start([checkpoints.single], args=["--metrics-listen", "127.0.0.1:0"])
+    port = daemon.bound_port("metrics")
     idle = open_idle(port, 20)
     try:
         start = time.monotonic()

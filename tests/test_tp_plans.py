@@ -24,7 +24,7 @@ from tests.recipe_support import LLAMA_CONFIG, TEST_TIMEOUT, build_llama, preloa
 from tests.support import Daemon, DaemonPool, rpc_failure
 from weightcache.core.errors import RecipeError
 from weightcache.core.recipe import Placement, Recipe
-from weightcache.core.tp import FORWARD_ONLY_STYLES, TRANSFORMERS_STYLES, TPPlan
+from weightcache.core.tp import FORWARD_ONLY_STYLES, REFUSED_STYLES, TRANSFORMERS_STYLES, TPPlan
 from weightcache.testing import child_env
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -92,12 +92,19 @@ def test_every_style_transformers_registers_is_mapped_or_deliberately_refused(
 ) -> None:
     registered = set(transformers_shards["registered"])  # type: ignore[call-overload]
     refused = registered - set(TRANSFORMERS_STYLES)
-    assert refused == {"packed_colwise", "packed_rowwise"}
+    # A style transformers adds is either mapped (and checked below) or refused with a reason.
+    assert refused <= set(REFUSED_STYLES)
+    assert not set(REFUSED_STYLES) & set(TRANSFORMERS_STYLES)
     for style in ("colwise_gather_output", "rowwise_split_input"):
         plan = TPPlan.from_mapping({"layers.*.mlp.gate_up_proj": style})
         assert plan.rules == (("layers.*.mlp.gate_up_proj", TRANSFORMERS_STYLES[style]),)
-    with pytest.raises(RecipeError, match="unsupported style 'packed_colwise'"):
-        TPPlan.from_mapping({"layers.*.mlp.gate_up_proj": "packed_colwise"})
+    for style, reason in REFUSED_STYLES.items():
+        with pytest.raises(RecipeError) as refusal:
+            TPPlan.from_mapping({"layers.*.self_attn.k_proj": style})
+        assert str(refusal.value) == (
+            f"tensor-parallel rule 'layers.*.self_attn.k_proj': unsupported style {style!r} "
+            f"({reason})"
+        )
 
 
 @pytest.mark.parametrize("style", sorted(TRANSFORMERS_STYLES))

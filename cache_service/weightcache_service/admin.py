@@ -283,6 +283,7 @@ def load(socket: str, args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     console = Console(stderr=True)
+    plugins = _recipe_plugins(args.recipe)
     try:
         last = run_load(
             socket,
@@ -292,6 +293,7 @@ def load(socket: str, args: argparse.Namespace) -> int:
             timeout=args.timeout,
             console=console,
             seed_from=args.seed_from or "",
+            plugins=plugins,
         )
     except ModelExistsError as err:
         return _already_held(socket, err.metadata.get("model", ""), args.timeout, err)
@@ -305,6 +307,21 @@ def load(socket: str, args: argparse.Namespace) -> int:
     state = pb.ModelState.Name(last.state).removeprefix("MODEL_STATE_")
     print(f"{last.model} {state} {last.progress.bytes_total} bytes")
     return 0 if last.state == pb.MODEL_STATE_READY else EXIT_FAILURE
+
+
+def _recipe_plugins(steps: list[str]) -> list[pb.RecipePlugin]:
+    """``--recipe NAME[:k=v,...]`` steps as the Preload's recipe plugins, in order.
+
+    Raises:
+        RecipeError: a step is malformed (``PluginStep.parse``).
+    """
+    if not steps:
+        return []
+    # Only with --recipe: core.plugins imports torch (through core.pipeline).
+    from weightcache.core.plugins import PluginStep
+
+    parsed = [PluginStep.parse(text) for text in steps]
+    return [pb.RecipePlugin(name=step.name, params=dict(step.params)) for step in parsed]
 
 
 def _already_held(socket: str, name: str, timeout: float | None, err: Exception) -> int:

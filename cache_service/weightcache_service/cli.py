@@ -294,6 +294,14 @@ def _parser() -> argparse.ArgumentParser:
         help="have the daemon seed it from this peer daemon first (its --peer-tls-* files)",
     )
     load.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="NAME[:k=v,...]",
+        help="plugin step for the daemon to apply (one its --allow-recipe names); repeatable, "
+        "in order",
+    )
+    load.add_argument(
         "--log-level", choices=LOG_LEVELS, default="warning", help="lowest level logged"
     )
     _client_arguments(load, timeout=None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from rich.console import Console
 from rich.progress import (
@@ -31,20 +31,26 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 
 
 def preload_request(
-    model: str, revision: str | None, dtype: str | None, seed_from: str = ""
+    model: str,
+    revision: str | None,
+    dtype: str | None,
+    seed_from: str = "",
+    plugins: Sequence[pb.RecipePlugin] = (),
 ) -> pb.PreloadRequest:
     """The Preload request for a path, or a Hub repo id: then ``repo_id`` and
     ``revision``, which the daemon resolves in its own Hub cache and names the model
     after; with ``path`` too, the snapshot this command finds in the local Hub cache, for
     a daemon older than those fields (a repo id not found there is sent alone: the
     daemon's cache may hold it).
-    Seeded from the peer daemon ``seed_from`` (``HOST:PORT``) when given.
+    Seeded from the peer daemon ``seed_from`` (``HOST:PORT``) when given; ``plugins``: the
+    recipe's plugin steps, in order (the daemon applies only those its ``--allow-recipe``
+    names).
 
     Raises:
         InvalidCheckpointError: ``model`` is neither a path nor of the form of a repo id
             (``org/name``).
     """
-    recipe = pb.Recipe(dtype=dtype or "")
+    recipe = pb.Recipe(dtype=dtype or "", plugins=plugins)
     try:
         found = hub.find(model, revision)
     except InvalidCheckpointError:
@@ -103,6 +109,7 @@ def run_load(
     timeout: float | None,
     console: Console,
     seed_from: str = "",
+    plugins: Sequence[pb.RecipePlugin] = (),
 ) -> pb.PreloadResponse:
     """Preload ``model`` on the daemon at ``socket`` and follow it to the end (seeded from
     the peer daemon ``seed_from`` first, when given: docs/seeding.md).
@@ -118,7 +125,7 @@ def run_load(
             ``MODEL_EXISTS``, ``RESOURCE_EXHAUSTED``, ``MODEL_FAILED``...).
         DaemonUnavailableError: no daemon answered, or ``timeout`` seconds passed.
     """
-    request = preload_request(model, revision, dtype, seed_from)
+    request = preload_request(model, revision, dtype, seed_from, plugins)
     channel, stub = connect(socket)
     with channel:
         return call(lambda: follow(stub.Preload(request, timeout=timeout), console))

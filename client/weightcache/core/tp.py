@@ -44,8 +44,8 @@ MAX_PLAN_CHARS = 4096
 #: here whose rank holds the same bytes of each parameter: their forward hooks (where
 #: activations are gathered, reduced or split) differ, and those are the engine's business.
 #: Checked against transformers' own ``shard_param`` in ``tests/test_tp_plans.py``. Not
-#: here, so refused: ``packed_colwise``/``packed_rowwise`` (interleaved ``_StridedShard``
-#: slices, not one contiguous block per rank) and any unknown name.
+#: here, so refused: the styles of :data:`REFUSED_STYLES` (each with its reason) and any
+#: unknown name.
 TRANSFORMERS_STYLES = {
     # weight and bias: Shard(0) (a 2-D weight's output features).
     "colwise": "colwise",
@@ -86,6 +86,19 @@ FORWARD_ONLY_STYLES = frozenset(
         "local_params",
     }
 )
+#: transformers styles refused on purpose, with the reason: a rank of theirs does not hold one
+#: contiguous ``1/tp_size`` block of each parameter, which is all a rule here can express.
+REFUSED_STYLES = {
+    "packed_colwise": "interleaved _StridedShard slices, not one contiguous block per rank",
+    "packed_rowwise": "interleaved _StridedShard slices, not one contiguous block per rank",
+    # transformers 5.25 (UnitColwiseParallel, UnitRowwiseParallel): whole heads on a "unit
+    # mesh" whose shape comes from the head count and the world size, with heads replicated
+    # when there are fewer than ranks.
+    "unit_colwise": "whole attention heads on a unit mesh, replicated when the heads are "
+    "fewer than the ranks: the bytes of a rank depend on the head count",
+    "unit_rowwise": "whole attention heads on a unit mesh, replicated when the heads are "
+    "fewer than the ranks: the bytes of a rank depend on the head count",
+}
 
 
 @dataclass(frozen=True)
@@ -116,11 +129,17 @@ class TPPlan:
         (:data:`FORWARD_ONLY_STYLES`) go last, in their order.
 
         Raises:
-            RecipeError: a style has no equivalent here (e.g. ``packed_colwise``).
+            RecipeError: a style has no equivalent here: one of :data:`REFUSED_STYLES` (the
+                message gives its reason) or an unknown name.
         """
         rules: list[tuple[str, str]] = []
         forward_only: list[tuple[str, str]] = []
         for pattern, style in plan.items():
+            if style in REFUSED_STYLES:
+                raise RecipeError(
+                    f"tensor-parallel rule {pattern!r}: unsupported style {style!r} "
+                    f"({REFUSED_STYLES[style]})"
+                )
             if style not in TRANSFORMERS_STYLES:
                 raise RecipeError(f"tensor-parallel rule {pattern!r}: unsupported style {style!r}")
             rule = (pattern, TRANSFORMERS_STYLES[style])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -141,6 +142,17 @@ def list_models(socket: str, timeout: float = 10.0) -> list[pb.Model]:
     return list(reply.models)
 
 
+#: The line each TCP listener logs once bound, with the port it bound (``port=N`` on the
+#: console, ``"port": N`` in JSON), by listener: ``--listen``, ``--health-listen``,
+#: ``--metrics-listen``.
+LISTENER_EVENTS = {
+    "tcp": "listening on tcp",
+    "health": "health listening",
+    "metrics": "metrics listening",
+}
+_PORT = re.compile(r'\bport"?\s*[=:]\s*(\d+)')
+
+
 class Daemon:
     """A ``weightcache preload`` process on a Unix socket, stdout and stderr logged to a file.
 
@@ -192,6 +204,34 @@ class Daemon:
     def log(self) -> str:
         """Everything the daemon wrote so far."""
         return self.log_path.read_text(errors="replace")
+
+    def bound_port(self, listener: str, timeout: float = 0.0) -> int:
+        """The TCP port a listener of this daemon bound, from its log line
+        (:data:`LISTENER_EVENTS`). Start the daemon with port 0 (``127.0.0.1:0``) and read
+        the port here: a port picked free beforehand can be taken by another process
+        before the daemon binds it.
+
+        Args:
+            listener: ``"tcp"``, ``"health"`` or ``"metrics"``.
+            timeout: seconds to wait for the line (0: it must be there already, as it is
+                once :meth:`wait_ready` returned).
+
+        Raises:
+            KeyError: an unknown listener.
+            HarnessError: no such line within ``timeout`` (the listener was not asked
+                for, or failed), or the daemon exited first.
+        """
+        event = LISTENER_EVENTS[listener]
+        deadline = time.monotonic() + timeout
+        while True:
+            log = self.log()
+            for line in log.splitlines():
+                found = _PORT.search(line) if event in line else None
+                if found is not None:
+                    return int(found.group(1))
+            if self.proc.poll() is not None or time.monotonic() >= deadline:
+                raise HarnessError(f"no {event!r} line with a port in the daemon's log:\n{log}")
+            time.sleep(POLL)
 
     def segments(self) -> list[str]:
         """/dev/shm segments of daemons on this socket (this one and dead predecessors)."""
