@@ -67,8 +67,22 @@ def _check_worker(namespace: dict[str, Any], model_dir: str, out: Path) -> dict[
     }
 
 
+def _check_testing(namespace: dict[str, Any], model_dir: str, out: Path) -> dict[str, Any]:
+    """A block of pytest tests: call each ``test_*`` function with a fresh ``tmp_path``,
+    as pytest would (their own asserts are the check); returns the names called."""
+    called = []
+    for name, function in namespace.items():
+        if name.startswith("test_") and callable(function):
+            tmp_path = out / name
+            tmp_path.mkdir()
+            function(tmp_path)
+            called.append(name)
+    return {"called": called}
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], str, Path], dict[str, Any]]] = {
     "worker": _check_worker,
+    "testing": _check_testing,
 }
 
 

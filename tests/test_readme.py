@@ -43,11 +43,12 @@ def _run(name: str, socket: str, out: Path) -> dict[str, Any]:
     return reply
 
 
-def test_every_marked_block_has_a_check_and_uses_the_placeholder_model() -> None:
+def test_every_marked_block_has_a_check() -> None:
     found = blocks()
-    assert list(found) == list(CHECKS) == ["worker"]
-    assert all(MODEL_PLACEHOLDER in code for code in found.values())
+    assert list(found) == list(CHECKS) == ["worker", "testing"]
+    assert MODEL_PLACEHOLDER in found["worker"]
     assert "weightcache.load_into(model, " in found["worker"]
+    assert "def test_my_worker_attaches(tmp_path):" in found["testing"]
 
 
 def test_blocks_are_found_only_after_their_marker() -> None:
@@ -80,3 +81,9 @@ def test_the_worker_example_equals_from_pretrained_bitwise(
     tensors = load_file(tmp_path / "out" / "tensors.safetensors")
     assert tensors["hidden"].shape == (1, 4, 384)
     assert_bitwise_equal({"h": tensors["hidden"]}, {"h": tensors["reference"]})
+
+
+def test_the_testing_example_passes(wc_hash_cache: Path, tmp_path: Path) -> None:
+    reply = _run("testing", str(tmp_path / "no-daemon.sock"), tmp_path / "out")
+
+    assert reply == {"called": ["test_my_worker_attaches"]}
