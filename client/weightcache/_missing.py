@@ -54,8 +54,13 @@ class _Owner:
 Fill = tuple[nn.Module, str, torch.Tensor]
 
 
+#: Each distinct tensor of a module with every name reaching it, and whether it is a
+#: parameter (``_module._alias_groups``).
+Groups = list[tuple[list[str], torch.Tensor, bool]]
+
+
 def compute_missing(
-    module: nn.Module, present: Collection[str], device: torch.device
+    module: nn.Module, groups: Groups, present: Collection[str], device: torch.device
 ) -> list[Fill]:
     """The values of ``module``'s meta-device tensors that no name in ``present`` covers,
     computed on ``device`` by the module's own code (module docstring). Changes nothing:
@@ -63,6 +68,7 @@ def compute_missing(
 
     Args:
         module: the model, usually built on the ``meta`` device.
+        groups: its tensors, each with every name reaching it (tied ones together).
         present: the names the checkpoint gives a tensor to (a tensor reached by several
             names is covered when one of them is present).
         device: where the computed tensors live (the loaded tensors' device).
@@ -77,8 +83,8 @@ def compute_missing(
     """
     owners: dict[int, _Owner] = {}
     refused: dict[str, str] = {}
-    for names, _, is_param in _meta_groups(module):
-        if any(n in present for n in names):
+    for names, tensor, is_param in groups:
+        if not tensor.is_meta or any(n in present for n in names):
             continue
         if is_param:
             refused[names[0]] = "a parameter the checkpoint lacks (weights are never computed)"
@@ -103,18 +109,6 @@ def install(fills: list[Fill]) -> None:
     """Put computed buffers (:func:`compute_missing`) into their modules."""
     for owner, attr, value in fills:
         owner._buffers[attr] = value
-
-
-def _meta_groups(module: nn.Module) -> list[tuple[list[str], torch.Tensor, bool]]:
-    """Each distinct tensor on the ``meta`` device, with every name reaching it."""
-    groups: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if param.is_meta:
-            groups.setdefault(id(param), ([], param, True))[0].append(name)
-    for name, buf in module.named_buffers(remove_duplicate=False):
-        if buf.is_meta:
-            groups.setdefault(id(buf), ([], buf, False))[0].append(name)
-    return list(groups.values())
 
 
 def _owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:

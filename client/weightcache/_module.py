@@ -85,9 +85,9 @@ def assign(
         MissingTensorError, ValueError: as in :func:`load_into`; the module is left
             unchanged.
     """
-    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    fills = compute_missing(module, tensors.keys(), device)
     groups = _alias_groups(module)
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    fills = compute_missing(module, groups, tensors.keys(), device)
     plan: list[tuple[list[str], torch.Tensor, bool]] = []
     missing: list[str] = []
     used: set[str] = set()
