@@ -109,16 +109,6 @@ def _meta_model(folder: str, dtype: torch.dtype) -> transformers.BertModel:
     return model
 
 
-def _materialise_buffers(model: transformers.BertModel) -> None:
-    """Create the one buffer the checkpoint lacks (``embeddings.token_type_ids``, zeros
-    shaped like ``position_ids``, not persistent), then check nothing is left on meta."""
-    embeddings = model.embeddings
-    embeddings.token_type_ids = torch.zeros_like(embeddings.position_ids)  # type: ignore[assignment]
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"still on the meta device after loading: {left}")
-
-
 def _load_model(job: Job, result_keep: list[Any]) -> tuple[torch.nn.Module, str, str]:
     """The model with its weights, where they came from and the fallback reason."""
     dtype = TORCH_DTYPE[job.dtype]
@@ -143,7 +133,8 @@ def _load_model(job: Job, result_keep: list[Any]) -> tuple[torch.nn.Module, str,
     else:
         weights = weightcache.load_from_disk(job.path, recipe=recipe)
         assign(model, weights.tensors)
-    _materialise_buffers(model)
+    # Nothing to patch: the buffer the checkpoint lacks (embeddings.token_type_ids) is
+    # computed by BertModel's own _init_weights in load_into/assign.
     result_keep.append(weights)  # the lease lives as long as the worker holds the model
     reason = weights.fallback_reason
     return model, weights.source, f"{reason.code}: {reason.detail}" if reason else ""

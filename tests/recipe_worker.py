@@ -114,9 +114,6 @@ def forward(kind: str, path: str, model: torch.nn.Module) -> torch.Tensor:
 
     with torch.inference_mode():
         if kind == "bert":
-            # The one buffer BERT checkpoints lack: zeros shaped like position_ids.
-            embeddings: Any = model.embeddings
-            embeddings.token_type_ids = torch.zeros_like(embeddings.position_ids)
             tokenizer = transformers.AutoTokenizer.from_pretrained(path)
             batch = tokenizer([SENTENCE], return_tensors="pt")
             output: torch.Tensor = model(**batch).last_hidden_state

@@ -43,6 +43,7 @@ from weightcache.core.fingerprint import (
 from weightcache.core.pipeline import CheckpointReader, materialize
 from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.core.records import LoadProgress, ModelInfo, ModelState, StorageHandle, TensorView
+from weightcache.core.timestamps import fs_type, stamps_every_write
 from weightcache_service.arena import Arena, SharedMemoryArena, Slot, plan_slots, tail
 from weightcache_service.budget import MemoryBudget
 from weightcache_service.hashing import ShardHashes
@@ -573,6 +574,18 @@ class Store:
         vouched = [e for e in matches if e.checkpoint.identities_vouch()]
         for entry in sorted(vouched, key=lambda e: e.state != "ready"):
             return _ready(entry)
+        unstamped = _unstamped(matches[0]) if matches else []
+        if unstamped:
+            # tmpfs: a write through a shared mapping moves no stamp, so equal identities
+            # prove nothing; the worker's fingerprint, from the bytes, does.
+            kind = fs_type(unstamped[0].dev)
+            raise ModelNotFoundError(
+                f"model {matches[0].name!r} was loaded from these files, but they are on "
+                f"{kind}, where a write through a shared mapping changes a file without a "
+                "new mtime or ctime: their identity cannot vouch for their bytes; send the "
+                "fingerprint",
+                metadata={"path": clip(path), "model": matches[0].name},
+            )
         if matches:
             # Same identity, but changed within a timestamp granule of the daemon's read:
             # the identity cannot tell, the worker's own fingerprint can.
@@ -658,6 +671,11 @@ def _fail(entry: Entry, error: WeightCacheError) -> None:
     entry.failure = error
     entry.error = str(error)
     entry.state = "failed"
+
+
+def _unstamped(entry: Entry) -> list[FileIdentity]:
+    """The files of ``entry`` on file systems that do not stamp every write (tmpfs)."""
+    return [i for i in entry.checkpoint.file_identities().values() if not stamps_every_write(i.dev)]
 
 
 def _same_model(entry: Entry, fp: Fingerprint, files: dict[str, FileIdentity]) -> bool:

@@ -101,6 +101,7 @@ from weightcache.core.records import (
 )
 from weightcache.core.rpc import call_shared
 from weightcache.core.sockets import default_socket, no_socket, socket_denied
+from weightcache.core.timestamps import stamps_every_write
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1.weight_cache_service_pb2_grpc import WeightCacheServiceStub
@@ -298,8 +299,10 @@ def load(
 
     When the checkpoint's files are the very files the daemon loaded (same device, inode,
     size, mtime and ctime), nothing of them is read: the daemon is asked for the model by
-    file identity (``docs/protocol.md``). Otherwise, or when it answers that it holds no
-    such model, the headers are validated and the fingerprint computed from the files.
+    file identity (``docs/protocol.md``); not on tmpfs, where identity cannot vouch for
+    bytes (:func:`weightcache.core.timestamps.stamps_every_write`). Otherwise, or when it
+    answers that it holds no such model, the headers are validated and the fingerprint
+    computed from the files.
 
     Args:
         model_dir: checkpoint folder (``model.safetensors`` or a sharded index), or a Hub
@@ -446,6 +449,8 @@ def _attach_by_files(
     if found is None:
         return None
     root, files = found
+    if not all(stamps_every_write(f.dev) for f in files.values()):
+        return None  # tmpfs: identity never vouches, the daemon would refuse
     try:
         identity = recipe.identity(root, placement)
         components = request_components(identity, placement, opts.fingerprint_level)

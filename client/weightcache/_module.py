@@ -10,6 +10,7 @@ from torch import nn
 
 from weightcache._loader import LoadedWeights, load
 from weightcache._log import get_logger
+from weightcache._missing import compute_missing, install
 from weightcache._options import LoadKeywords, LoadOptions
 
 log = get_logger("weightcache")
@@ -37,17 +38,28 @@ def load_into(
     Parameters get ``requires_grad=False``. Keep the returned object (and call ``close()``
     when done): it holds the lease.
 
+    No tensor is left on the ``meta`` device: a buffer the checkpoint lacks that is on
+    ``meta`` (non-persistent buffers such as BERT's ``position_ids``/``token_type_ids``,
+    rotary ``inv_freq``) is computed on the loaded tensors' device by the module's own
+    code, as ``from_pretrained`` does (``weightcache._missing``: the nearest
+    ``transformers.PreTrainedModel``'s ``_init_weights``, else the owning module's
+    ``reset_parameters()``); what is not computed raises :class:`MissingTensorError`.
+    Tensors not on ``meta`` that the checkpoint lacks keep their values.
+
     Args:
         module: the model; it may live on the ``meta`` device.
         model_dir: checkpoint folder.
         strict: raise when a parameter has no tensor or a tensor matches no parameter or
-            buffer. Buffers the checkpoint lacks keep their values either way; any left
-            on the ``meta`` device is named in a warning log.
+            buffer. Without it, a parameter the checkpoint lacks keeps its value, unless
+            it is on ``meta`` (:class:`MissingTensorError`).
         options: the options of :func:`load` (:class:`LoadOptions`).
         **keywords: the same options as keywords (``socket``, ``device``, ``dtype``,
             ``mode``, ...), instead of ``options``; both is a ``TypeError``.
 
     Raises:
+        MissingTensorError: a tensor on ``meta`` that the checkpoint lacks and the
+            module's code does not compute (a parameter, always); ``names`` lists them.
+            Checked first; a ``ValueError`` too.
         ValueError: ``strict`` and names do not match, or a tensor's shape differs from
             the parameter it replaces. Nothing in the module is changed then.
         Every exception of :func:`load`.
@@ -59,28 +71,23 @@ def load_into(
     except ValueError:
         loaded.close()
         raise
-    _warn_meta(module)
     return loaded
-
-
-def _warn_meta(module: nn.Module) -> None:
-    # A module built on the meta device keeps meta tensors the checkpoint lacks (often
-    # computed buffers such as BERT's token_type_ids); using them fails much later.
-    left = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
-    if left:
-        log.warning("left on the meta device: not in the checkpoint", names=left[:10])
 
 
 def assign(
     module: nn.Module, tensors: dict[str, torch.Tensor], *, strict: bool = True
 ) -> list[torch.Tensor]:
-    """Replace ``module``'s parameters and buffers by ``tensors`` (see :func:`load_into`);
-    returns the parameter and buffer objects now in the module.
+    """Replace ``module``'s parameters and buffers by ``tensors`` and compute the meta
+    buffers they lack (see :func:`load_into`); returns the parameter and buffer objects
+    taken from ``tensors`` now in the module.
 
     Raises:
-        ValueError: as in :func:`load_into`; the module is left unchanged.
+        MissingTensorError, ValueError: as in :func:`load_into`; the module is left
+            unchanged.
     """
     groups = _alias_groups(module)
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    fills = compute_missing(module, groups, tensors.keys(), device)
     plan: list[tuple[list[str], torch.Tensor, bool]] = []
     missing: list[str] = []
     used: set[str] = set()
@@ -115,6 +122,7 @@ def assign(
                 owner._parameters[attr] = value  # type: ignore[assignment]
             else:
                 owner._buffers[attr] = value
+    install(fills)
     return values
 
 

@@ -15,6 +15,8 @@ Hierarchy::
     ├── HandleError                 a storage handle cannot be opened or a view is bad
     ├── DeviceNotVisibleError       the daemon's GPU is not visible to this process
     ├── CudaError                   a CUDA/HIP runtime call failed
+    ├── MissingTensorError          a module's tensor is neither in the checkpoint nor
+    │                               computable by the module's own code (``names``)
     └── RemoteError                 the daemon refused a request
         ├── FingerprintMismatchError    a held model differs; ``components`` says where
         ├── ModelNotFoundError          no held model resembles the request
@@ -119,6 +121,41 @@ class CudaError(WeightCacheError):
     """A CUDA (HIP) runtime call failed; the message names the call and the error."""
 
     reason = "CUDA_ERROR"
+
+
+class MissingTensorError(WeightCacheError, ValueError):
+    """A tensor of the module is on the ``meta`` device, the checkpoint does not hold it,
+    and the module's own code does not compute it (``load_into``; the rule:
+    ``weightcache._missing``, docs/protocol.md "Tensors the checkpoint lacks").
+
+    Raised before the module is changed. A parameter the checkpoint lacks is always
+    refused (a weight is never computed); a buffer when neither the nearest
+    ``transformers.PreTrainedModel``'s ``_init_weights`` nor the owning module's
+    ``reset_parameters()`` writes it. A ``ValueError`` too, as ``load_into``'s other
+    mismatches between module and checkpoint.
+
+    Attributes:
+        names: each tensor's dotted name in the module (``metadata["names"]``,
+            comma-separated); the message says why for each.
+    """
+
+    reason = "MISSING_TENSOR"
+
+    @classmethod
+    def of(cls, why: dict[str, str]) -> MissingTensorError:
+        """The error naming each tensor of ``why`` (name to reason), sorted by name."""
+        names = sorted(why)
+        lines = "; ".join(f"{n}: {why[n]}" for n in names)
+        return cls(
+            f"{len(names)} tensor(s) of the module neither in the checkpoint nor computed "
+            f"by the module's own code, left on the meta device: {lines}",
+            metadata={"names": ",".join(names)},
+        )
+
+    @property
+    def names(self) -> list[str]:
+        raw = self.metadata.get("names", "")
+        return [n for n in raw.split(",") if n]
 
 
 class RemoteError(WeightCacheError):

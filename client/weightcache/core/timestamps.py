@@ -15,10 +15,17 @@ later granule, and the identity moves. Otherwise the caller reads the bytes agai
 A write through a shared writable mapping (``mmap``) stamps mtime when it first dirties a
 page, not at each write. :func:`settle` writes the file's dirty pages back before it is
 read (``sync_file_range(2)``; ``fdatasync(2)`` where that is missing), so that the next
-write through a mapping faults and stamps the file again. On tmpfs (``/dev/shm``, ``/tmp``
-on some systems) pages are never written back: there a writer through a mapping can
-change bytes without a new stamp, which no identity can see (docs/fingerprint.md, "What
-file identity guarantees").
+write through a mapping faults and stamps the file again. On file systems that keep
+pages in memory only (tmpfs: ``/dev/shm``, a Kubernetes ``emptyDir`` with ``medium:
+Memory``, ``/tmp`` on some systems; ramfs) pages are never written back and stay writable
+in every mapping once dirtied: a process that keeps a shared writable mapping changes
+bytes without a new stamp (measured on Linux 6.18: rewrites of a dirtied page move
+neither mtime nor ctime, ``sync_file_range`` and ``fdatasync`` notwithstanding). No
+identity can vouch for such a file (:func:`stamps_every_write`, :data:`UNSTAMPED_TYPES`):
+:func:`vouches` is always False there, so the hash cache neither remembers nor uses its
+digest, and an Acquire by file identity is refused (the worker then sends its
+fingerprint, computed from the bytes) (docs/fingerprint.md, "What file identity
+guarantees").
 """
 
 from __future__ import annotations
@@ -59,6 +66,11 @@ REMOTE_TYPES = frozenset(
 )
 
 
+#: File system types whose pages are never written back, so that writes through a shared
+#: mapping to an already dirtied page stamp nothing (module docstring).
+UNSTAMPED_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+
+
 @functools.lru_cache(maxsize=64)
 def fs_type(dev: int) -> str:
     """The type of the file system mounted with device number ``dev`` (``ext4``,
@@ -90,11 +102,21 @@ def granule_ns(dev: int, mtime_ns: int, ctime_ns: int) -> int:
     return FINE_GRANULE_NS
 
 
+def stamps_every_write(dev: int) -> bool:
+    """Whether every write to a file of device ``dev`` moves its mtime or ctime, writes
+    through a shared mapping included (after :func:`settle`): False on the file systems of
+    :data:`UNSTAMPED_TYPES`, whose files' identity never vouches for their bytes."""
+    return fs_type(dev) not in UNSTAMPED_TYPES
+
+
 def vouches(dev: int, mtime_ns: int, ctime_ns: int, since_ns: int) -> bool:
     """Whether an identity with these stamps, unchanged later, proves that the bytes read
     from ``since_ns`` (``time.time_ns()`` taken before the read began) are still the
-    file's: its last change is more than one granule (:func:`granule_ns`) before
+    file's: the file system stamps every write (:func:`stamps_every_write`), and the
+    file's last change is more than one granule (:func:`granule_ns`) before
     ``since_ns``."""
+    if not stamps_every_write(dev):
+        return False
     return since_ns - max(mtime_ns, ctime_ns) > granule_ns(dev, mtime_ns, ctime_ns)
 
 

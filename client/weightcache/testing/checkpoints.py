@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from weightcache.core.timestamps import vouches
+from weightcache.core.timestamps import stamps_every_write, vouches
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -162,7 +162,9 @@ def wait_until_settled(*paths: Path, timeout: float = 5.0) -> None:
     of mtime and ctime) more than its file system's timestamp granule ago: from then on
     its identity vouches for its bytes (:func:`weightcache.core.timestamps.vouches`), so
     the hash cache remembers its digest and an Acquire by file identity can match it.
-    About 50 ms after a write on a nanosecond file system, 1 to 2 s on coarser ones.
+    About 50 ms after a write on a nanosecond file system, 1 to 2 s on coarser ones. Files
+    on tmpfs, whose identity never vouches
+    (:func:`weightcache.core.timestamps.stamps_every_write`), are not waited for.
 
     Raises:
         TimeoutError: a file still does not qualify after ``timeout`` seconds (its
@@ -173,6 +175,8 @@ def wait_until_settled(*paths: Path, timeout: float = 5.0) -> None:
     for file in files:
         if file.is_symlink() or not file.is_file():
             continue
+        if not stamps_every_write(file.stat().st_dev):
+            continue  # tmpfs: its identity never vouches, however long one waits
         while not vouches(*_stamps(file), time.time_ns()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{file}: its timestamps did not settle in {timeout} s")
