@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -599,3 +600,149 @@ def test_a_populated_arena_is_written_without_page_faults() -> None:
         arena.close()
     assert got == [data]
     assert faults < 1024  # a fault per page would be 16384 (other threads fault a few)
+
+
+# -- a peer that stalls (issue 37, item 3) --------------------------------------------------
+
+
+def _stalling_args(pki: Pki, link: Link) -> tuple[list[str], list[str]]:
+    """A serves each stream at 1 byte/s: its first 64 KiB chunk is due in 18 hours, so A
+    answers BeginSeed and then sends nothing. B asks 64 KiB chunks."""
+    serving = _serving_args(
+        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "1"
+    )
+    return serving, [*_seeding_args(pki, link), "--seed-chunk-bytes", "65536"]
+
+
+def _wait_for_event(daemon: Daemon, event: str) -> dict[str, object]:
+    deadline = time.monotonic() + 60
+    while not (found := _events(daemon, event)):
+        assert daemon.proc.poll() is None and time.monotonic() < deadline, daemon.log()
+        time.sleep(0.05)
+    return found[0]
+
+
+@netns_only
+def test_a_stalled_peer_is_abandoned_for_the_files_within_the_bound(
+    room: Path, link: Link, pki: Pki
+) -> None:
+    a_node, b_node = _nodes(room, link)
+    serving, seeding = _stalling_args(pki, link)
+    with (
+        _running(a_node, serving) as a,
+        _running(b_node, [*seeding, "--seed-stall-timeout", "2"], wait=False) as b,
+    ):
+        begun = _wait_for_event(a, "seed begun")
+        started = time.monotonic()
+        b.wait_ready(models=1)
+        waited = time.monotonic() - started
+        model = _model(b)
+        [failed] = _events(b, SEED_FAILED)
+        leases_on_a = list_models(a.socket)[0].lease_count
+
+    assert begun["model"] == "sharded"
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
+    assert model.fingerprint.digest == _model_digest(b_node)
+    assert failed["result"] == "stalled"
+    assert failed["why"] == (
+        f"from {link.a_ip}:{PORT}: stalled: a ReadSeedData stream received 0 bytes in 2 s, "
+        "less than 65536 (--seed-stall-timeout)"
+    )
+    assert waited < 2 + 20  # the bound, and the load from the files (unbounded before)
+    assert leases_on_a == 0  # B's EndSeed released the transfer lease
+
+
+@netns_only
+def test_sigterm_stops_a_daemon_whose_seed_stalls_within_the_drain_timeout(
+    room: Path, link: Link, pki: Pki
+) -> None:
+    a_node, b_node = _nodes(room, link)
+    serving, seeding = _stalling_args(pki, link)
+    # The stall bound (default 30 s) is longer than the drain timeout: SIGTERM must not
+    # wait for it.
+    with (
+        _running(a_node, serving) as a,
+        _running(b_node, [*seeding, "--drain-timeout", "3"], wait=False) as b,
+    ):
+        _wait_for_event(a, "seed begun")
+        assert list_models(b.socket)[0].state == pb.MODEL_STATE_LOADING
+        at = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        rc = b.proc.wait(timeout=45)
+        took = time.monotonic() - at
+        left = b.leftovers()
+
+    assert rc == 0, b.log()
+    assert took < 3 + 5, b.log()  # the drain timeout and the shutdown (40 s and more before)
+    assert left == []
+
+
+class _TricklingPeer:
+    """A real gRPC server on a Unix socket (a test peer, not our daemon) whose ReadSeedData
+    answers every ``every`` seconds with ``data`` (empty chunks, or one byte) for as long
+    as the call lives: progress, but never a whole chunk."""
+
+    def __init__(self, folder: Path, data: bytes, every: float) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.socket = str(folder / "peer.sock")
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=8))
+
+        def read(request: pb.ReadSeedDataRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+            offset = request.offset
+            while context.is_active():
+                yield pb.ReadSeedDataResponse(offset=offset, data=data).SerializeToString()
+                offset += len(data)
+                time.sleep(every)
+
+        handler = grpc.unary_stream_rpc_method_handler(
+            read, request_deserializer=pb.ReadSeedDataRequest.FromString
+        )
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(
+                "weightcache.v1.WeightCacheService", {"ReadSeedData": handler}
+            ),)
+        )  # fmt: skip
+        self.server.add_insecure_port(f"unix:{self.socket}")
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop(0).wait()
+
+
+@pytest.mark.parametrize(("case", "data"), [("empty chunks", b""), ("a byte at a time", b"x")])
+def test_a_trickling_stream_is_abandoned_as_stalled(room: Path, case: str, data: bytes) -> None:
+    import threading
+
+    from weightcache_service.dataplane import GrpcStreamPlane, StalledError
+
+    peer = _TricklingPeer(room, data, every=0.05)
+    outcome: list[BaseException | None] = []
+    written: list[int] = []
+
+    def pull() -> None:
+        with grpc.insecure_channel(f"unix:{peer.socket}") as channel:
+            plane = GrpcStreamPlane(channel, streams=2, chunk_bytes=65536, stall_timeout=1.0)
+            try:
+                plane.pull("lease", [(0, 1 << 20)], lambda _o, d: written.append(len(d)),
+                           lambda: False)  # fmt: skip
+                outcome.append(None)
+            except BaseException as exc:  # the test asserts what it is
+                outcome.append(exc)
+
+    thread = threading.Thread(target=pull, daemon=True)
+    started = time.monotonic()
+    try:
+        thread.start()
+        thread.join(30)  # unbounded before the stall bound
+        took = time.monotonic() - started
+    finally:
+        peer.close()
+        thread.join(10)
+
+    [error] = outcome
+    assert isinstance(error, StalledError), error
+    assert str(error).startswith("stalled: a ReadSeedData stream received ")
+    assert str(error).endswith(" bytes in 1 s, less than 65536 (--seed-stall-timeout)")
+    assert sum(written) < 65536 * 2
+    assert took < 1 + 5

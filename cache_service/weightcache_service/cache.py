@@ -59,6 +59,7 @@ from weightcache.core.records import (
 from weightcache.core.version import PROTOCOL_VERSION, __version__
 from weightcache_service.arena import Arena
 from weightcache_service.backend import Backend
+from weightcache_service.dataplane import DEFAULT_STALL_TIMEOUT
 from weightcache_service.handover import HandOverRefusedError, HeldLease, HeldModel
 from weightcache_service.leases import Lease, LeaseTable
 from weightcache_service.peers import Connection, holder
@@ -126,6 +127,9 @@ class ServiceOptions:
     #: Parallel data-plane streams and bytes per chunk of a seed (:mod:`.dataplane`).
     seed_streams: int = 4
     seed_chunk_bytes: int = 4 << 20
+    #: ``--seed-stall-timeout``: seconds within which each seed stream must receive a
+    #: chunk, or the seed is abandoned for the files.
+    seed_stall_timeout: float = DEFAULT_STALL_TIMEOUT
 
 
 class WeightCache:
@@ -299,8 +303,9 @@ class WeightCache:
                 seed_from,
                 tls,
                 self.events,
-                self.options.seed_streams,
-                self.options.seed_chunk_bytes,
+                streams=self.options.seed_streams,
+                chunk_bytes=self.options.seed_chunk_bytes,
+                stall_timeout=self.options.seed_stall_timeout,
             )
             load = asyncio.to_thread(self.store.load_seeded, entry, seeder.seed, seeder.fallback)
         else:
