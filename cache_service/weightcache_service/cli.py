@@ -242,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         "--seed-chunk-bytes",
         type=int,
         default=4 << 20,
-        help="bytes per message of a seed (default 4 MiB, at most 16 MiB)",
+        help="bytes per message of a seed (default and most 4 MiB, at least 64 KiB)",
     )
     daemon.add_argument(
         "--seed-stall-timeout",
@@ -497,7 +497,7 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
                 allowed_plugins=frozenset(args.allow_recipe),
                 peer_tls=peer_tls if all(peer_tls) else None,
                 seed_streams=max(1, args.seed_streams),
-                seed_chunk_bytes=min(max(args.seed_chunk_bytes, 64 << 10), 16 << 20),
+                seed_chunk_bytes=min(max(args.seed_chunk_bytes, 64 << 10), 4 << 20),
                 **(
                     {}
                     if args.seed_stall_timeout is None

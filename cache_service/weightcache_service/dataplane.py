@@ -79,7 +79,7 @@ class GrpcStreamPlane:
     Args:
         channel: a channel to the peer (mutual TLS in production).
         streams: parallel streams.
-        chunk_bytes: bytes per message asked of the peer (it caps them at 16 MiB).
+        chunk_bytes: bytes per message asked of the peer (it caps them at 4 MiB).
         stall_timeout: seconds within which each stream must receive ``chunk_bytes``
             (or the rest of its piece), again and again, or the pull fails with
             :class:`StalledError`.

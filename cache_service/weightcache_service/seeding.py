@@ -59,7 +59,8 @@ log = structlog.get_logger("weightcache.daemon")
 
 #: Seconds BeginSeed may take per peer address.
 BEGIN_TIMEOUT = 10.0
-#: Largest message the seeding channel accepts, in bytes (a chunk is at most 16 MiB).
+#: Largest message the seeding channel accepts, in bytes (a chunk is at most 4 MiB; room
+#: for peers of other versions).
 MAX_SEED_MESSAGE = 32 << 20
 #: The transfer lease's TTL asked of the peer, in seconds (renewed by every chunk).
 SEED_LEASE_TTL = 30
