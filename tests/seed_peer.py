@@ -57,7 +57,10 @@ def main() -> None:
         private_key=Path(key).read_bytes(),
         certificate_chain=Path(cert).read_bytes(),
     )
-    channel = grpc.secure_channel(target, creds)
+    # A chunk of the largest size (4 MiB) and its framing: over gRPC's 4 MiB default.
+    channel = grpc.secure_channel(
+        target, creds, options=[("grpc.max_receive_message_length", 32 << 20)]
+    )
     stub = pb_grpc.WeightCacheServiceStub(channel)
     held: list[Any] = []
     for line in sys.stdin:
