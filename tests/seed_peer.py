@@ -5,9 +5,11 @@ JSON answer per line on stdout.
 
 Run as ``python -m tests.seed_peer TARGET CA CERT KEY CHECKPOINT``. Commands:
 
-- ``{"op": "begin"}``: BeginSeed for the checkpoint (its fingerprint components, computed
-  from its files) -> ``{"lease_id", "arena_size"}``.
-- ``{"op": "list"}``: ListLeases -> ``{"leases": [{"lease_id", "model", "label"}]}``.
+- ``{"op": "begin", "ttl"}``: BeginSeed for the checkpoint (its fingerprint components,
+  computed from its files; ``ttl`` seconds asked, 0 by default) -> ``{"lease_id",
+  "arena_size"}``.
+- ``{"op": "list"}``: ListLeases -> ``{"leases": [{"lease_id", "model", "label", "ttl"}]}``
+  (``ttl`` in whole seconds).
 - ``{"op": "read", "lease_id", "length", "chunk_bytes"}``: ReadSeedData from offset 0,
   read whole -> ``{"bytes"}``.
 - ``{"op": "end", "lease_id"}``: EndSeed -> ``{}``.
@@ -70,7 +72,10 @@ def main() -> None:
             answer: dict[str, Any] = {}
             if op == "begin":
                 begun = stub.BeginSeed(
-                    pb.BeginSeedRequest(components=_components(checkpoint)), timeout=20
+                    pb.BeginSeedRequest(
+                        components=_components(checkpoint), ttl_seconds=command.get("ttl", 0)
+                    ),
+                    timeout=20,
                 )
                 answer = {"lease_id": begun.lease_id, "arena_size": begun.arena_size}
             elif op == "list":
@@ -78,7 +83,7 @@ def main() -> None:
                 answer = {
                     "leases": [
                         {"lease_id": h.lease.lease_id, "model": h.lease.model,
-                         "label": h.worker.label}
+                         "label": h.worker.label, "ttl": h.lease.ttl.seconds}
                         for h in listed.leases
                     ]
                 }  # fmt: skip

@@ -835,7 +835,9 @@ def test_seeding_rpcs_accept_only_the_callers_own_transfer_leases(
     assert listed_before == {"leases": []}  # the worker's lease is not shown to a TCP peer
     assert read_through_worker == NOT_FOUND
     assert ended_worker == {}  # as for an ended lease: nothing told, nothing ended
-    assert listed_own == {"leases": [{"lease_id": own, "model": "sharded", "label": "seed"}]}
+    assert listed_own == {
+        "leases": [{"lease_id": own, "model": "sharded", "label": "seed", "ttl": 30}]
+    }
     assert stranger_reads == NOT_FOUND
     assert (stranger_ends, stranger_lists) == ({}, {"leases": []})
     assert own_read == {"bytes": 4096}
@@ -857,14 +859,21 @@ def test_seeding_is_bounded_per_peer(room: Path, link: Link, pki: Pki) -> None:
     from weightcache_service.seed_serve import MAX_STREAMS_PER_PEER
 
     a_node, b_node = _nodes(room, link, big=True)
-    serving = _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding")
+    # 64 KiB/s per stream: a stream of the 8 MiB arena lasts 128 s, so the streams opened
+    # are all still being served when the next one is asked for.
+    serving = _serving_args(
+        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "65536"
+    )
     with _running(a_node, serving) as a, _peers(b_node, link, pki) as (peer, stranger):
-        begun = peer("begin")
+        begun = peer("begin", ttl=300)  # asks 300 s: clamped to MAX_SEED_TTL
         own, size = str(begun["lease_id"]), int(str(begun["arena_size"]))
+        leases = peer("list")["leases"]
+        assert isinstance(leases, list)
+        [listed] = leases
         tiny = peer("read", lease_id=own, length=size, chunk_bytes=1)
         before = _rss_anon(a.pid)
-        # 64 streams on one connection, each read for one 1 MiB chunk of 8 MiB, no more.
-        opened = peer("open", lease_id=own, streams=64, length=size, chunk_bytes=1 << 20)
+        # 64 streams on one connection, each read for one 64 KiB chunk of 8 MiB, no more.
+        opened = peer("open", lease_id=own, streams=64, length=size, chunk_bytes=65536)
         grown = _rss_anon(a.pid) - before
         peer("close")
         flood = [peer("begin") for _ in range(MAX_TRANSFER_LEASES_PER_PEER)]
@@ -876,6 +885,7 @@ def test_seeding_is_bounded_per_peer(room: Path, link: Link, pki: Pki) -> None:
         held = list_models(a.socket)
 
     assert size == 8 << 20
+    assert (listed["lease_id"], listed["ttl"]) == (own, 60)
     assert tiny == {
         "code": "INVALID_ARGUMENT",
         "reason": "INVALID_ARGUMENT",
