@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -29,7 +30,6 @@ import torch
 from safetensors.torch import save_file
 
 from tests.security_support import SYSTEM_PATHS, Pki, make_pki
-from tests.support import rpc_failure
 from weightcache.core.errors import PermissionDeniedError, UnauthenticatedError
 from weightcache.testing.checkpoints import make_checkpoints, wait_until_settled
 from weightcache.testing.daemon import Daemon, list_models, short_tempdir, socket_in
@@ -481,25 +481,21 @@ def _wait_for_progress(b: Daemon) -> None:
 
 
 @netns_only
-def test_an_evict_on_the_peer_waits_for_the_transfer_or_revokes_it(
-    room: Path, link: Link, pki: Pki
-) -> None:
+def test_an_evict_on_the_peer_ends_the_transfer_at_once(room: Path, link: Link, pki: Pki) -> None:
     a_node, b_node = _nodes(room, link, big=True)
     serving, seeding = _throttled_args(pki, link)
     with _running(a_node, serving) as a, _running(b_node, seeding, wait=False) as b:
         _wait_for_progress(b)
         with grpc.insecure_channel(f"unix:{a.socket}") as channel:
             stub = pb_grpc.WeightCacheServiceStub(channel)
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.Evict(pb.EvictRequest(name="big"), timeout=10)
-            stub.Evict(pb.EvictRequest(name="big", force=True), timeout=10)
+            # Not held back by the transfer lease (issue 37): no LEASES_ACTIVE, no force.
+            evicted = stub.Evict(pb.EvictRequest(name="big"), timeout=10)
         b.wait_ready(models=1)
         model = _model(b)
         [failed] = _events(b, SEED_FAILED)
         held_by_a = list_models(a.socket)
 
-    failure = rpc_failure(refused.value)
-    assert (failure.reason, failure.metadata) == ("LEASES_ACTIVE", {"model": "big", "leases": "1"})
+    assert evicted.model.name == "big"
     assert held_by_a == []
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
     assert failed["result"] == "transfer"
@@ -599,3 +595,313 @@ def test_a_populated_arena_is_written_without_page_faults() -> None:
         arena.close()
     assert got == [data]
     assert faults < 1024  # a fault per page would be 16384 (other threads fault a few)
+
+
+# -- a peer that stalls (issue 37, item 3) --------------------------------------------------
+
+
+def _stalling_args(pki: Pki, link: Link) -> tuple[list[str], list[str]]:
+    """A serves each stream at 1 byte/s: its first 64 KiB chunk is due in 18 hours, so A
+    answers BeginSeed and then sends nothing. B asks 64 KiB chunks."""
+    serving = _serving_args(
+        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "1"
+    )
+    return serving, [*_seeding_args(pki, link), "--seed-chunk-bytes", "65536"]
+
+
+def _wait_for_event(daemon: Daemon, event: str) -> dict[str, object]:
+    deadline = time.monotonic() + 60
+    while not (found := _events(daemon, event)):
+        assert daemon.proc.poll() is None and time.monotonic() < deadline, daemon.log()
+        time.sleep(0.05)
+    return found[0]
+
+
+@netns_only
+def test_a_stalled_peer_is_abandoned_for_the_files_within_the_bound(
+    room: Path, link: Link, pki: Pki
+) -> None:
+    a_node, b_node = _nodes(room, link)
+    serving, seeding = _stalling_args(pki, link)
+    with (
+        _running(a_node, serving) as a,
+        _running(b_node, [*seeding, "--seed-stall-timeout", "2"], wait=False) as b,
+    ):
+        begun = _wait_for_event(a, "seed begun")
+        started = time.monotonic()
+        b.wait_ready(models=1)
+        waited = time.monotonic() - started
+        model = _model(b)
+        [failed] = _events(b, SEED_FAILED)
+        leases_on_a = list_models(a.socket)[0].lease_count
+
+    assert begun["model"] == "sharded"
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
+    assert model.fingerprint.digest == _model_digest(b_node)
+    assert failed["result"] == "stalled"
+    assert failed["why"] == (
+        f"from {link.a_ip}:{PORT}: stalled: a ReadSeedData stream received 0 bytes in 2 s, "
+        "less than 65536 (--seed-stall-timeout)"
+    )
+    assert waited < 2 + 20  # the bound, and the load from the files (unbounded before)
+    assert leases_on_a == 0  # B's EndSeed released the transfer lease
+
+
+@netns_only
+def test_sigterm_stops_a_daemon_whose_seed_stalls_within_the_drain_timeout(
+    room: Path, link: Link, pki: Pki
+) -> None:
+    a_node, b_node = _nodes(room, link)
+    serving, seeding = _stalling_args(pki, link)
+    # The stall bound (default 30 s) is longer than the drain timeout: SIGTERM must not
+    # wait for it.
+    with (
+        _running(a_node, serving) as a,
+        _running(b_node, [*seeding, "--drain-timeout", "3"], wait=False) as b,
+    ):
+        _wait_for_event(a, "seed begun")
+        assert list_models(b.socket)[0].state == pb.MODEL_STATE_LOADING
+        at = time.monotonic()
+        b.proc.send_signal(signal.SIGTERM)
+        rc = b.proc.wait(timeout=45)
+        took = time.monotonic() - at
+        left = b.leftovers()
+
+    assert rc == 0, b.log()
+    assert took < 3 + 5, b.log()  # the drain timeout and the shutdown (40 s and more before)
+    assert left == []
+
+
+class _TricklingPeer:
+    """A real gRPC server on a Unix socket (a test peer, not our daemon) whose ReadSeedData
+    answers every ``every`` seconds with ``data`` (empty chunks, or one byte) for as long
+    as the call lives: progress, but never a whole chunk."""
+
+    def __init__(self, folder: Path, data: bytes, every: float) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.socket = str(folder / "peer.sock")
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=8))
+
+        def read(request: pb.ReadSeedDataRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+            offset = request.offset
+            while context.is_active():
+                yield pb.ReadSeedDataResponse(offset=offset, data=data).SerializeToString()
+                offset += len(data)
+                time.sleep(every)
+
+        handler = grpc.unary_stream_rpc_method_handler(
+            read, request_deserializer=pb.ReadSeedDataRequest.FromString
+        )
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(
+                "weightcache.v1.WeightCacheService", {"ReadSeedData": handler}
+            ),)
+        )  # fmt: skip
+        self.server.add_insecure_port(f"unix:{self.socket}")
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop(0).wait()
+
+
+@pytest.mark.parametrize(("case", "data"), [("empty chunks", b""), ("a byte at a time", b"x")])
+def test_a_trickling_stream_is_abandoned_as_stalled(room: Path, case: str, data: bytes) -> None:
+    import threading
+
+    from weightcache_service.dataplane import GrpcStreamPlane, StalledError
+
+    peer = _TricklingPeer(room, data, every=0.05)
+    outcome: list[BaseException | None] = []
+    written: list[int] = []
+
+    def pull() -> None:
+        with grpc.insecure_channel(f"unix:{peer.socket}") as channel:
+            plane = GrpcStreamPlane(channel, streams=2, chunk_bytes=65536, stall_timeout=1.0)
+            try:
+                plane.pull("lease", [(0, 1 << 20)], lambda _o, d: written.append(len(d)),
+                           lambda: False)  # fmt: skip
+                outcome.append(None)
+            except BaseException as exc:  # the test asserts what it is
+                outcome.append(exc)
+
+    thread = threading.Thread(target=pull, daemon=True)
+    started = time.monotonic()
+    try:
+        thread.start()
+        thread.join(30)  # unbounded before the stall bound
+        took = time.monotonic() - started
+    finally:
+        peer.close()
+        thread.join(10)
+
+    [error] = outcome
+    assert isinstance(error, StalledError), error
+    assert str(error).startswith("stalled: a ReadSeedData stream received ")
+    assert str(error).endswith(" bytes in 1 s, less than 65536 (--seed-stall-timeout)")
+    assert sum(written) < 65536 * 2
+    assert took < 1 + 5
+
+
+# -- whose transfer lease, and the bounds per peer (issue 37, items 4, 5, 8, 9) -------------
+
+
+class _Peer:
+    """A seeding peer in B's namespace (``tests/seed_peer.py``), with a client certificate."""
+
+    def __init__(self, node: Node, link: Link, pki: Pki, cert: Path, key: Path) -> None:
+        assert IP is not None
+        self.proc = subprocess.Popen(
+            [IP, "netns", "exec", node.ns, sys.executable, "-m", "tests.seed_peer",
+             f"{link.a_ip}:{PORT}", str(pki.ca), str(cert), str(key), str(node.model)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
+
+    def __call__(self, op: str, **fields: object) -> dict[str, object]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the peer process ended (exit {self.proc.poll()})"
+        answer: dict[str, object] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+
+
+@contextlib.contextmanager
+def _peers(node: Node, link: Link, pki: Pki) -> Iterator[tuple[_Peer, _Peer]]:
+    """Two peers: one with the ``client`` certificate, one with the ``stranger``'s (both
+    signed by the CA: two identities the daemon allows)."""
+    peers: list[_Peer] = []
+    try:
+        for cert, key in ((pki.client_cert, pki.client_key), (pki.stranger_cert, pki.stranger_key)):
+            peers.append(_Peer(node, link, pki, cert, key))
+        yield peers[0], peers[1]
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def _unix_leases(daemon: Daemon) -> dict[str, str]:
+    """Every live lease of ``daemon`` (its Unix socket sees them all): id -> label."""
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+        stub = pb_grpc.WeightCacheServiceStub(channel)
+        listed = stub.ListLeases(pb.ListLeasesRequest(), timeout=20)
+    return {h.lease.lease_id: h.worker.label for h in listed.leases}
+
+
+NOT_FOUND = {
+    "code": "NOT_FOUND",
+    "reason": "MODEL_NOT_FOUND",
+    "metadata": {},
+}
+
+
+@netns_only
+def test_seeding_rpcs_accept_only_the_callers_own_transfer_leases(
+    room: Path, link: Link, pki: Pki
+) -> None:
+    from weightcache.testing.driver import Worker
+
+    a_node, b_node = _nodes(room, link)
+    serving = _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding")
+    with _running(a_node, serving) as a, _peers(b_node, link, pki) as (peer, stranger):
+        worker = Worker(room / "worker.log")
+        try:
+            loaded = worker.load(a_node.model, socket=a.socket, fallback=False)
+            [worker_lease] = _unix_leases(a)
+            listed_before = peer("list")
+            read_through_worker = peer("read", lease_id=worker_lease, length=4096, chunk_bytes=0)
+            ended_worker = peer("end", lease_id=worker_lease)
+            own = str(peer("begin")["lease_id"])
+            listed_own = peer("list")
+            stranger_reads = stranger("read", lease_id=own, length=4096, chunk_bytes=0)
+            stranger_ends = stranger("end", lease_id=own)
+            stranger_lists = stranger("list")
+            own_read = peer("read", lease_id=own, length=4096, chunk_bytes=0)
+            live = _unix_leases(a)
+            peer("end", lease_id=own)
+            after_end = _unix_leases(a)
+        finally:
+            worker.close()
+
+    assert loaded["ok"] is True and loaded["source"] == "cache"
+    assert listed_before == {"leases": []}  # the worker's lease is not shown to a TCP peer
+    assert read_through_worker == NOT_FOUND
+    assert ended_worker == {}  # as for an ended lease: nothing told, nothing ended
+    assert listed_own == {
+        "leases": [{"lease_id": own, "model": "sharded", "label": "seed", "ttl": 30}]
+    }
+    assert stranger_reads == NOT_FOUND
+    assert (stranger_ends, stranger_lists) == ({}, {"leases": []})
+    assert own_read == {"bytes": 4096}
+    assert live == {worker_lease: "", own: "seed"}  # neither was ended by another
+    assert after_end == {worker_lease: ""}
+
+
+def _rss_anon(pid: int) -> int:
+    """The daemon's anonymous resident memory, in bytes (``RssAnon``, proc(5))."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon")
+
+
+@netns_only
+def test_seeding_is_bounded_per_peer(room: Path, link: Link, pki: Pki) -> None:
+    from weightcache_service.leases import MAX_TRANSFER_LEASES_PER_PEER
+    from weightcache_service.seed_serve import MAX_STREAMS_PER_PEER
+
+    a_node, b_node = _nodes(room, link, big=True)
+    # 64 KiB/s per stream: a stream of the 8 MiB arena lasts 128 s, so the streams opened
+    # are all still being served when the next one is asked for.
+    serving = _serving_args(
+        pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "65536"
+    )
+    with _running(a_node, serving) as a, _peers(b_node, link, pki) as (peer, stranger):
+        begun = peer("begin", ttl=300)  # asks 300 s: clamped to MAX_SEED_TTL
+        own, size = str(begun["lease_id"]), int(str(begun["arena_size"]))
+        leases = peer("list")["leases"]
+        assert isinstance(leases, list)
+        [listed] = leases
+        tiny = peer("read", lease_id=own, length=size, chunk_bytes=1)
+        before = _rss_anon(a.pid)
+        # 64 streams on one connection, each read for one 64 KiB chunk of 8 MiB, no more.
+        opened = peer("open", lease_id=own, streams=64, length=size, chunk_bytes=65536)
+        grown = _rss_anon(a.pid) - before
+        peer("close")
+        flood = [peer("begin") for _ in range(MAX_TRANSFER_LEASES_PER_PEER)]
+        other = stranger("begin")
+        with grpc.insecure_channel(f"unix:{a.socket}") as channel:
+            stub = pb_grpc.WeightCacheServiceStub(channel)
+            evicted = stub.Evict(pb.EvictRequest(name="big"), timeout=10)
+        left = _unix_leases(a)
+        held = list_models(a.socket)
+
+    assert size == 8 << 20
+    assert (listed["lease_id"], listed["ttl"]) == (own, 60)
+    assert tiny == {
+        "code": "INVALID_ARGUMENT",
+        "reason": "INVALID_ARGUMENT",
+        "metadata": {"field": "chunk_bytes"},
+    }
+    assert opened == {
+        "opened": MAX_STREAMS_PER_PEER,
+        "refused": ["RESOURCE_EXHAUSTED"] * (64 - MAX_STREAMS_PER_PEER),
+    }
+    assert grown < MAX_STREAMS_PER_PEER * size + (32 << 20)  # 500 MiB and more before
+    assert all("lease_id" in answer for answer in flood[:-1])
+    assert flood[-1] == {
+        "code": "RESOURCE_EXHAUSTED",
+        "reason": "RESOURCE_EXHAUSTED",
+        "metadata": {"field": "transfer_leases"},
+    }
+    assert "lease_id" in other  # another peer is not locked out
+    # A plain evict ends the transfer leases at once instead of waiting for them.
+    assert (evicted.model.name, left, held) == ("big", {}, [])

@@ -59,6 +59,7 @@ from weightcache.core.records import (
 from weightcache.core.version import PROTOCOL_VERSION, __version__
 from weightcache_service.arena import Arena
 from weightcache_service.backend import Backend
+from weightcache_service.dataplane import DEFAULT_STALL_TIMEOUT
 from weightcache_service.handover import HandOverRefusedError, HeldLease, HeldModel
 from weightcache_service.leases import Lease, LeaseTable
 from weightcache_service.peers import Connection, holder
@@ -126,6 +127,9 @@ class ServiceOptions:
     #: Parallel data-plane streams and bytes per chunk of a seed (:mod:`.dataplane`).
     seed_streams: int = 4
     seed_chunk_bytes: int = 4 << 20
+    #: ``--seed-stall-timeout``: seconds within which each seed stream must receive a
+    #: chunk, or the seed is abandoned for the files.
+    seed_stall_timeout: float = DEFAULT_STALL_TIMEOUT
 
 
 class WeightCache:
@@ -299,8 +303,9 @@ class WeightCache:
                 seed_from,
                 tls,
                 self.events,
-                self.options.seed_streams,
-                self.options.seed_chunk_bytes,
+                streams=self.options.seed_streams,
+                chunk_bytes=self.options.seed_chunk_bytes,
+                stall_timeout=self.options.seed_stall_timeout,
             )
             load = asyncio.to_thread(self.store.load_seeded, entry, seeder.seed, seeder.fallback)
         else:
@@ -378,6 +383,7 @@ class WeightCache:
             leases = tuple(
                 HeldLease(x.lease_id, x.ttl, x.request_id, x.pid)
                 for x in self.leases.for_model(entry.name)
+                if not x.peer  # a transfer lease is bound to this daemon's seeding peer
             )
             held.append(
                 HeldModel(
@@ -757,13 +763,18 @@ class WeightCache:
             )
         return LeaseStatus(lease_id, "active", expire_time=self._wall(lease.expire_at))
 
-    def lease_holders(self, model: str, peers: list[Connection]) -> list[LeaseHolder]:
-        """Every live lease (on ``model`` only, unless empty), oldest first, with who holds
-        it: the worker's description, and the credentials of its connection among
-        ``peers`` (:func:`weightcache_service.peers.holder`)."""
+    def lease_holders(
+        self, model: str, peers: list[Connection], only_peer: str | None = None
+    ) -> list[LeaseHolder]:
+        """Every live lease (on ``model`` only, unless empty; only the transfer leases
+        peer ``only_peer`` began, unless None), oldest first, with who holds it: the
+        worker's description, and the credentials of its connection among ``peers``
+        (:func:`weightcache_service.peers.holder`)."""
         holders = []
         for lease in self.leases.live():
-            if model and lease.model != model:
+            if (model and lease.model != model) or (
+                only_peer is not None and lease.peer != only_peer
+            ):
                 continue
             status = self._lease_status(lease.lease_id, lease)
             holders.append(
@@ -800,7 +811,8 @@ class WeightCache:
         Raises:
             ModelNotFoundError: no such model.
             ModelLoadingError: the model is loading.
-            LeasesActiveError: it has live leases and ``force`` is not set.
+            LeasesActiveError: it has live leases of workers and ``force`` is not set
+                (transfer leases, of peers seeding from this daemon, are ended instead).
         """
         refusal = self.store.refusals.pop(name, None)
         if refusal is not None:
@@ -809,7 +821,8 @@ class WeightCache:
         entry = self.store.get(name)
         if entry.state == "loading":
             raise ModelLoadingError(f"model {entry.name!r} is loading; evict it once loaded")
-        holders = self.leases.for_model(entry.name)
+        held = self.leases.for_model(entry.name)
+        holders = [lease for lease in held if not lease.peer]
         if holders and not force:
             raise LeasesActiveError(
                 f"model {entry.name!r} has {len(holders)} live lease(s); release them or "
@@ -817,6 +830,7 @@ class WeightCache:
                 metadata={"model": entry.name, "leases": str(len(holders))},
             )
         snapshot = self.info(entry)
+        self._end_transfers(entry)
         if holders:
             self._revoke(entry)
         else:
@@ -835,11 +849,22 @@ class WeightCache:
             if self.leases.for_model(entry.name):
                 self._revoke(entry)
 
+    def _end_transfers(self, entry: Entry) -> None:
+        """End the transfer leases on ``entry`` (peers seeding from this daemon): they never
+        hold an evict or a drain back, and a revoke would leave them for the drain to wait
+        on; each seeder's next chunk is refused and it loads from its own files."""
+        for lease in self.leases.for_model(entry.name):
+            if lease.peer:
+                self.leases.release(lease.lease_id)
+                log.info("transfer lease ended", model=entry.name, peer=lease.peer)
+
     def _revoke(self, entry: Entry) -> None:
         """Push REVOKING to every holder of ``entry``. On shared memory the model is
         dropped now (its segment unlinked: the workers' mappings keep their bytes, which
         never change) and its leases detached, counted as unlinked until they end; on a GPU
-        it is EVICTING until they end or the drain timeout passes."""
+        it is EVICTING until they end or the drain timeout passes. Transfer leases end
+        (:meth:`_end_transfers`)."""
+        self._end_transfers(entry)
         if self.backend.unlink_keeps_mappings:
             revoked = self.leases.detach(entry.name)
             self.store.remove(entry.name)

@@ -242,7 +242,15 @@ def _parser() -> argparse.ArgumentParser:
         "--seed-chunk-bytes",
         type=int,
         default=4 << 20,
-        help="bytes per message of a seed (default 4 MiB, at most 16 MiB)",
+        help="bytes per message of a seed (default and most 4 MiB, at least 64 KiB)",
+    )
+    daemon.add_argument(
+        "--seed-stall-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="abandon a seed for the files when a stream receives no whole chunk within "
+        "this (default 30)",
     )
     daemon.add_argument(
         "--seed-max-rate",
@@ -441,6 +449,9 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
             file=sys.stderr,
         )
         return EXIT_USAGE
+    if args.seed_stall_timeout is not None and not args.seed_stall_timeout > 0:
+        print("weightcache preload: --seed-stall-timeout must be positive", file=sys.stderr)
+        return EXIT_USAGE
     if args.allow_seeding and args.listen is None:
         print("weightcache preload: --allow-seeding needs --listen", file=sys.stderr)
         return EXIT_USAGE
@@ -494,7 +505,12 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
                 allowed_plugins=frozenset(args.allow_recipe),
                 peer_tls=peer_tls if all(peer_tls) else None,
                 seed_streams=max(1, args.seed_streams),
-                seed_chunk_bytes=min(max(args.seed_chunk_bytes, 64 << 10), 16 << 20),
+                seed_chunk_bytes=min(max(args.seed_chunk_bytes, 64 << 10), 4 << 20),
+                **(
+                    {}
+                    if args.seed_stall_timeout is None
+                    else {"seed_stall_timeout": args.seed_stall_timeout}
+                ),
             ),
             allow_seeding=args.allow_seeding,
             seed_max_rate=args.seed_max_rate,

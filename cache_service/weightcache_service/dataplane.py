@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -28,6 +29,13 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 DEFAULT_CHUNK_BYTES = 4 << 20
 #: Default number of parallel ReadSeedData streams.
 DEFAULT_STREAMS = 4
+#: Default progress bound of one stream, in seconds (``--seed-stall-timeout``): a stream
+#: must receive a whole chunk (or the rest of its piece) within every such interval, or
+#: the seed is abandoned as stalled. A peer that sends nothing, a byte at a time or empty
+#: chunks cannot keep a model LOADING longer than this.
+DEFAULT_STALL_TIMEOUT = 30.0
+#: How often the streams are checked for a stall and for a cancelled seed, in seconds.
+WATCH_INTERVAL = 0.1
 
 #: ``write(offset, data)``: put ``data`` at byte ``offset`` of the local arena.
 Writer = Callable[[int, memoryview], None]
@@ -37,6 +45,10 @@ READ_METHOD = "/weightcache.v1.WeightCacheService/ReadSeedData"
 
 class TransferError(Exception):
     """The transfer failed: the peer died, refused the lease, or sent a bad chunk."""
+
+
+class StalledError(TransferError):
+    """A stream made less progress than the bound (:data:`DEFAULT_STALL_TIMEOUT`)."""
 
 
 class DataPlane(Protocol):
@@ -67,7 +79,10 @@ class GrpcStreamPlane:
     Args:
         channel: a channel to the peer (mutual TLS in production).
         streams: parallel streams.
-        chunk_bytes: bytes per message asked of the peer (it caps them at 16 MiB).
+        chunk_bytes: bytes per message asked of the peer (it caps them at 4 MiB).
+        stall_timeout: seconds within which each stream must receive ``chunk_bytes``
+            (or the rest of its piece), again and again, or the pull fails with
+            :class:`StalledError`.
     """
 
     def __init__(
@@ -75,6 +90,7 @@ class GrpcStreamPlane:
         channel: grpc.Channel,
         streams: int = DEFAULT_STREAMS,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
     ) -> None:
         # Responses unparsed: parse_response finds the data in place (no copy), where a
         # parsed message would copy it twice (into the message, out of its field).
@@ -85,6 +101,7 @@ class GrpcStreamPlane:
         )
         self.streams = max(1, streams)
         self.chunk_bytes = chunk_bytes
+        self.stall_timeout = stall_timeout
 
     def pull(
         self,
@@ -98,7 +115,13 @@ class GrpcStreamPlane:
         one piece after another; a range is cut into pieces of about a ``streams``-th of
         the total (whole chunks), so that few large ranges still use every stream.
 
+        The calling thread watches the streams every :data:`WATCH_INTERVAL`: a stream
+        that did not receive ``chunk_bytes`` bytes (or the rest of its piece) within
+        ``stall_timeout`` seconds, and every stream once ``cancelled()`` turns true, is
+        cancelled at once, whatever the peer sends or withholds.
+
         Raises:
+            StalledError: a stream stalled.
             TransferError: a stream failed (its gRPC status is named), a chunk fell
                 outside its piece, a piece ended short, or ``cancelled()``.
         """
@@ -116,7 +139,10 @@ class GrpcStreamPlane:
             if count == 0:
                 done(index)  # an empty range
         errors: list[str] = []
-        calls: list[Any] = []
+        stalls: list[str] = []
+        # Per stream thread: its call in flight, and when it last completed a chunk's
+        # worth of bytes (or began its piece), and the bytes received since.
+        active: dict[int, _Progress] = {}
         lock = threading.Lock()
 
         def worker() -> None:
@@ -137,10 +163,13 @@ class GrpcStreamPlane:
                 lease_id=lease_id, offset=offset, length=length, chunk_bytes=self.chunk_bytes
             )
             cursor = offset
+            me = threading.get_ident()
             try:
                 call: Any = self._read(request)
                 with lock:
-                    calls.append(call)
+                    progress = active[me] = _Progress(call, time.monotonic())
+                    if errors or stalls:
+                        call.cancel()  # the watcher may have cancelled the others already
                 for raw in call:
                     if cancelled() or errors:
                         call.cancel()
@@ -153,6 +182,8 @@ class GrpcStreamPlane:
                         )
                     write(cursor, data)
                     cursor += len(data)
+                    with lock:
+                        progress.advance(len(data), min(self.chunk_bytes, offset + length - cursor))
                 if cursor != offset + length:
                     raise TransferError(f"range ended at {cursor}, not {offset + length}")
                 return True
@@ -162,18 +193,60 @@ class GrpcStreamPlane:
             except TransferError as exc:
                 with lock:
                     errors.append(str(exc))
+            finally:
+                with lock:
+                    active.pop(me, None)
             return False
+
+        def watch() -> None:
+            """Cancel every call once ``cancelled()``, a stalled one (and so the rest)."""
+            now = time.monotonic()
+            with lock:
+                if cancelled() and "cancelled" not in errors:
+                    errors.append("cancelled")
+                for progress in active.values():
+                    if now - progress.since > self.stall_timeout and not stalls:
+                        stalls.append(
+                            f"stalled: a ReadSeedData stream received {progress.got} bytes "
+                            f"in {self.stall_timeout:g} s, less than {self.chunk_bytes} "
+                            "(--seed-stall-timeout)"
+                        )
+                        errors.append("cancelled")
+                    if errors:
+                        progress.call.cancel()
 
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(self.streams)]
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join()
+            while thread.is_alive():
+                watch()
+                thread.join(WATCH_INTERVAL)
         if cancelled():
             raise TransferError("cancelled at shutdown")
+        if stalls:
+            raise StalledError(stalls[0])
         real = [e for e in errors if e != "cancelled"] or errors
         if real:
             raise TransferError(real[0])
+
+
+class _Progress:
+    """One stream's progress: its call, when it last received a whole chunk's worth of
+    bytes (or began), and the bytes received since."""
+
+    def __init__(self, call: Any, since: float) -> None:
+        self.call = call
+        self.since = since
+        self.got = 0
+
+    def advance(self, nbytes: int, need: int) -> None:
+        """Count ``nbytes`` received; once a chunk's worth (``need``: at most the rest of
+        the piece) is in, the interval starts again."""
+        self.got += nbytes
+        if self.got >= need:
+            self.got = 0
+            self.since = time.monotonic()
 
 
 def _varint(raw: bytes, pos: int) -> tuple[int, int]:

@@ -26,6 +26,10 @@ Clock = Callable[[], float]
 DEFAULT_TTL = 10.0
 MAX_LEASES = 65536
 MAX_LEASES_PER_PID = 1024
+#: Transfer leases (seeding, :mod:`.seed_serve`) one peer identity may hold at once, and
+#: all peers together (SECURITY.md, "Seeding"); they do not count against any pid's bound.
+MAX_TRANSFER_LEASES_PER_PEER = 16
+MAX_TRANSFER_LEASES = 64
 MIN_TTL = 1.0
 MAX_TTL = 300.0
 
@@ -52,6 +56,9 @@ class Lease:
             keeps its mapping (a drain need not wait for it).
         granted_at: clock reading at which it was granted.
         worker: the worker's description of itself (for operators: ListLeases).
+        peer: for a transfer lease (BeginSeed), the identity of the peer that began it
+            (its certificate names; ``unix:...`` for the Unix socket): only that peer may
+            read through it or end it. Empty for a worker's lease.
     """
 
     lease_id: str
@@ -66,6 +73,7 @@ class Lease:
     settled: bool = False
     granted_at: float = 0.0
     worker: WorkerDescription = field(default_factory=WorkerDescription)
+    peer: str = ""
 
 
 @dataclass
@@ -77,6 +85,8 @@ class LeaseTable:
         min_ttl, max_ttl: bounds a requested TTL is clamped to, in seconds.
         default_ttl: TTL for a request that names none, in seconds.
         max_leases, max_leases_per_pid: bounds on live leases, in all and per worker pid.
+        max_transfer_leases, max_transfer_leases_per_peer: bounds on live transfer leases,
+            in all and per peer identity.
     """
 
     clock: Clock = time.monotonic
@@ -85,6 +95,8 @@ class LeaseTable:
     default_ttl: float = DEFAULT_TTL
     max_leases: int = MAX_LEASES
     max_leases_per_pid: int = MAX_LEASES_PER_PID
+    max_transfer_leases: int = MAX_TRANSFER_LEASES
+    max_transfer_leases_per_peer: int = MAX_TRANSFER_LEASES_PER_PEER
     _leases: dict[str, Lease] = field(default_factory=dict)
     _by_request: dict[str, str] = field(default_factory=dict)
     _session_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -102,13 +114,17 @@ class LeaseTable:
         request_id: str,
         pid: int,
         worker: WorkerDescription | None = None,
+        *,
+        peer: str = "",
     ) -> Lease:
         """Grant a lease, or return the live one an earlier call with ``request_id`` granted.
-        ``worker`` is kept on the lease as the worker described itself.
+        ``worker`` is kept on the lease as the worker described itself; ``peer`` makes it
+        a transfer lease of that peer identity (bounded per peer and in all, not per pid).
 
         Raises:
             InvalidArgumentError: ``request_id`` already holds a lease on another model.
-            ResourceExhaustedError: the daemon, or this pid, holds the most leases allowed.
+            ResourceExhaustedError: the daemon, this pid, or (a transfer lease) this peer
+                or all peers hold the most leases allowed.
         """
         existing = self._live(self._by_request.get(request_id, ""))
         if request_id and existing is not None:
@@ -120,7 +136,12 @@ class LeaseTable:
             return existing
         if len(self._leases) >= self.max_leases:
             raise ResourceExhaustedError(f"the daemon holds {self.max_leases} leases already")
-        if sum(lease.pid == pid for lease in self._leases.values()) >= self.max_leases_per_pid:
+        if peer:
+            self._check_transfer_bounds(peer)
+        elif (
+            sum(lease.pid == pid and not lease.peer for lease in self._leases.values())
+            >= self.max_leases_per_pid
+        ):
             raise ResourceExhaustedError(
                 f"pid {pid} holds {self.max_leases_per_pid} leases already; release some"
             )
@@ -135,11 +156,35 @@ class LeaseTable:
             pid=pid,
             granted_at=now,
             worker=worker or WorkerDescription(pid=pid),
+            peer=peer,
         )
         self._leases[lease.lease_id] = lease
         if request_id:
             self._by_request[request_id] = lease.lease_id
         return lease
+
+    def _check_transfer_bounds(self, peer: str) -> None:
+        """Raises ResourceExhaustedError when ``peer``, or all peers, hold the most live
+        transfer leases allowed."""
+        now = self.clock()
+        transfers = [x for x in self._leases.values() if x.peer and not self._over(x, now)]
+        if sum(x.peer == peer for x in transfers) >= self.max_transfer_leases_per_peer:
+            raise ResourceExhaustedError(
+                f"this peer holds {self.max_transfer_leases_per_peer} transfer leases "
+                "already; end some (EndSeed)",
+                metadata={"field": "transfer_leases"},
+            )
+        if len(transfers) >= self.max_transfer_leases:
+            raise ResourceExhaustedError(
+                f"the daemon serves {self.max_transfer_leases} seeds already; try later",
+                metadata={"field": "transfer_leases"},
+            )
+
+    def transfer(self, lease_id: str, peer: str) -> Lease | None:
+        """The live transfer lease ``lease_id`` if ``peer`` began it; ``None`` otherwise
+        (unknown, ended, a worker's lease, or another peer's: alike to the caller)."""
+        lease = self._live(lease_id)
+        return lease if lease is not None and peer and lease.peer == peer else None
 
     def restore(self, lease_id: str, model: str, ttl: float, request_id: str, pid: int) -> Lease:
         """Take over a lease a predecessor handed over, under the same id: live for a full

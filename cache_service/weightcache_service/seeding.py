@@ -46,9 +46,11 @@ from weightcache_service.arena import Arena, SharedMemoryArena, Slot
 from weightcache_service.cache import CacheEvents
 from weightcache_service.dataplane import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_STALL_TIMEOUT,
     DEFAULT_STREAMS,
     DataPlane,
     GrpcStreamPlane,
+    StalledError,
     TransferError,
 )
 from weightcache_service.store import Entry
@@ -57,7 +59,8 @@ log = structlog.get_logger("weightcache.daemon")
 
 #: Seconds BeginSeed may take per peer address.
 BEGIN_TIMEOUT = 10.0
-#: Largest message the seeding channel accepts, in bytes (a chunk is at most 16 MiB).
+#: Largest message the seeding channel accepts, in bytes (a chunk is at most 4 MiB; room
+#: for peers of other versions).
 MAX_SEED_MESSAGE = 32 << 20
 #: The transfer lease's TTL asked of the peer, in seconds (renewed by every chunk).
 SEED_LEASE_TTL = 30
@@ -75,7 +78,7 @@ class SeedFailedError(Exception):
 
     Attributes:
         result: the metric label (``refused``, ``unsupported``, ``layout``, ``mismatch``,
-            ``transfer``).
+            ``transfer``, ``stalled``).
         why: the reason, logged.
     """
 
@@ -134,6 +137,8 @@ class Seeder:
         events: where the outcome is counted (the metrics).
         streams: parallel data-plane streams.
         chunk_bytes: bytes per ReadSeedData message.
+        stall_timeout: seconds within which every stream must receive a chunk
+            (``--seed-stall-timeout``), or the seed is abandoned (result ``stalled``).
     """
 
     def __init__(
@@ -141,14 +146,17 @@ class Seeder:
         peer: str,
         tls: PeerTls | None,
         events: CacheEvents,
+        *,
         streams: int = DEFAULT_STREAMS,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
     ) -> None:
         self.peer = peer
         self.tls = tls
         self.events = events
         self.streams = streams
         self.chunk_bytes = chunk_bytes
+        self.stall_timeout = stall_timeout
         self._start = 0.0
 
     # -- the peer ----------------------------------------------------------------------
@@ -206,7 +214,9 @@ class Seeder:
         channel, begun = self._begin(entry)
         try:
             digests = self._check_layout(entry, begun)
-            plane: DataPlane = GrpcStreamPlane(channel, self.streams, self.chunk_bytes)
+            plane: DataPlane = GrpcStreamPlane(
+                channel, self.streams, self.chunk_bytes, self.stall_timeout
+            )
 
             def write(offset: int, data: memoryview) -> None:
                 def fill(out: memoryview) -> None:
@@ -231,7 +241,8 @@ class Seeder:
                 except TransferError as exc:
                     for future in futures.values():
                         future.cancel()
-                    raise SeedFailedError("transfer", f"from {self.peer}: {exc}") from None
+                    result = "stalled" if isinstance(exc, StalledError) else "transfer"
+                    raise SeedFailedError(result, f"from {self.peer}: {exc}") from None
                 verified = time.monotonic()
                 got = {names[i]: future.result() for i, future in sorted(futures.items())}
             for name in sorted(digests):

@@ -295,7 +295,10 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         check_len("model", request.model, MAX_PATH_CHARS)
         # Read off the event loop: one readlink and getsockopt per descriptor.
         peers = await asyncio.to_thread(connections, self.socket) if self.socket else []
-        holders = self.cache.lease_holders(request.model, peers)
+        # A TCP peer (a fleet daemon, a remote operator) sees only its own transfer
+        # leases: the workers' lease ids would let it read or end what they hold.
+        own = None if peer_is_unix(context.peer()) else _peer_identity(context)
+        holders = self.cache.lease_holders(request.model, peers, only_peer=own)
         return pb.ListLeasesResponse(leases=[lease_holder_pb(h) for h in holders])
 
     @_unary
@@ -313,8 +316,9 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 f"more than {MAX_COMPONENTS} components", metadata={"field": "components"}
             )
         components = {c.name: c.digest for c in request.components}
-        names = sorted(certificate_names(context)) or [context.peer()]
-        lease_id, entry = self.seeds.begin(components, float(request.ttl_seconds), ",".join(names))
+        lease_id, entry = self.seeds.begin(
+            components, float(request.ttl_seconds), _peer_identity(context)
+        )
         return pb.BeginSeedResponse(
             lease_id=lease_id,
             model=model_pb(self.cache.info(entry)),
@@ -341,7 +345,11 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         try:
             check_len("lease_id", request.lease_id, MAX_ID_CHARS)
             chunks = self.seeds.read(
-                request.lease_id, request.offset, request.length, request.chunk_bytes
+                request.lease_id,
+                request.offset,
+                request.length,
+                request.chunk_bytes,
+                _peer_identity(context),
             )
             async for _offset, message in chunks:
                 yield message
@@ -352,7 +360,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     @_unary
     async def EndSeed(self, request: pb.EndSeedRequest, context: Context) -> pb.EndSeedResponse:
         check_len("lease_id", request.lease_id, MAX_ID_CHARS)
-        self.seeds.end(request.lease_id)
+        self.seeds.end(request.lease_id, _peer_identity(context))
         return pb.EndSeedResponse()
 
 
@@ -384,6 +392,12 @@ def _asked_again(request: pb.AcquireRequest, err: WeightCacheError) -> str:
     if request.asks_again_if_loading and isinstance(err, ModelLoadingError):
         return "waiting"
     return ""
+
+
+def _peer_identity(context: Context) -> str:
+    """Who a seeding peer is, for its transfer leases: its verified certificate's names
+    (sorted, comma-joined); a Unix-socket client (no certificate), ``context.peer()``."""
+    return ",".join(sorted(certificate_names(context))) or context.peer()
 
 
 def _subject(request: Any) -> dict[str, Any]:

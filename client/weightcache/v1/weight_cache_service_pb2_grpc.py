@@ -196,6 +196,8 @@ class WeightCacheServiceServicer:
         """Lists the live leases and who holds each: the credentials the kernel gives the daemon
         for the holder's connection on the Unix socket (SO_PEERCRED), and the worker's own
         description of itself (AcquireRequest.worker). For operators (weightcache leases).
+        A Unix-socket client sees every lease; a TCP peer only the transfer leases it began
+        (BeginSeed): a worker's lease id would let it read or end what the worker holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -204,10 +206,13 @@ class WeightCacheServiceServicer:
     def BeginSeed(self, request, context):
         """Seeding (docs/seeding.md): a new node's daemon asks this one for a READY model it
         would otherwise load from its own files. Refused with PERMISSION_DENIED unless the
-        daemon was started with --allow-seeding, and to peers the authorization table does not
-        authenticate (mutual TLS). Returns the model's full-level shard digests, its arena
-        layout and a transfer lease that keeps the model from being evicted until EndSeed
-        (a forced evict revokes it: ReadSeedData then fails with MODEL_NOT_FOUND).
+        daemon was started with --allow-seeding (ReadSeedData and EndSeed too), and to peers
+        the authorization table does not authenticate (mutual TLS). Returns the model's
+        full-level shard digests, its arena layout and a transfer lease, bound to the
+        caller's identity (its certificate names). An evict, forced or not, and a drain end
+        transfer leases at once (ReadSeedData then fails with MODEL_NOT_FOUND); they never
+        hold an evict back. RESOURCE_EXHAUSTED when the caller holds 16 transfer leases, or
+        the daemon 64 (SECURITY.md, "Seeding").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,13 +220,17 @@ class WeightCacheServiceServicer:
 
     def ReadSeedData(self, request, context):
         """Streams a byte range of the seeded model's arena, in chunks, under the transfer lease.
+        Only the peer that began the lease may name it: any other lease id (a worker's,
+        another peer's, an ended one) is MODEL_NOT_FOUND. RESOURCE_EXHAUSTED when the caller
+        has 8 streams open, or the daemon 32.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def EndSeed(self, request, context):
-        """Ends the transfer lease. Idempotent.
+        """Ends the caller's transfer lease. Idempotent: an unknown or ended lease id, or one
+        the caller did not begin, succeeds and ends nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

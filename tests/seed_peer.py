@@ -1,0 +1,126 @@
+"""A seeding peer driven by the seeding tests: a separate process (run in another network
+namespace with ``ip netns exec``) that calls a daemon's seeding RPCs with the client
+certificate it is given, as a fleet daemon would, one JSON command per line on stdin, one
+JSON answer per line on stdout.
+
+Run as ``python -m tests.seed_peer TARGET CA CERT KEY CHECKPOINT``. Commands:
+
+- ``{"op": "begin", "ttl"}``: BeginSeed for the checkpoint (its fingerprint components,
+  computed from its files; ``ttl`` seconds asked, 0 by default) -> ``{"lease_id",
+  "arena_size"}``.
+- ``{"op": "list"}``: ListLeases -> ``{"leases": [{"lease_id", "model", "label", "ttl"}]}``
+  (``ttl`` in whole seconds).
+- ``{"op": "read", "lease_id", "length", "chunk_bytes"}``: ReadSeedData from offset 0,
+  read whole -> ``{"bytes"}``.
+- ``{"op": "end", "lease_id"}``: EndSeed -> ``{}``.
+- ``{"op": "open", "lease_id", "streams", "length", "chunk_bytes"}``: open that many
+  ReadSeedData streams on this one connection, read one message of each and no more;
+  they stay open until ``{"op": "close"}`` -> ``{"opened", "refused": [reason, ...]}``.
+
+A refused call answers ``{"code", "reason", "metadata"}`` (its gRPC code and ErrorInfo).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tests.support import rpc_failure
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+
+
+def _components(checkpoint: str) -> list[pb.FingerprintComponent]:
+    import weightcache
+    from weightcache.core.protocol import fingerprint_pb
+
+    fp = weightcache.compute_fingerprint(
+        weightcache.open_checkpoint(checkpoint), weightcache.Recipe(), weightcache.Placement()
+    )
+    return list(fingerprint_pb(fp).components)
+
+
+def _refused(exc: grpc.RpcError) -> dict[str, Any]:
+    try:
+        failure = rpc_failure(exc)
+    except AssertionError:  # no ErrorInfo: a transport error, a deadline
+        return {"code": exc.code().name, "reason": "", "metadata": {}}
+    return {"code": failure.code.name, "reason": failure.reason, "metadata": failure.metadata}
+
+
+def main() -> None:
+    target, ca, cert, key, checkpoint = sys.argv[1:6]
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes(),
+        private_key=Path(key).read_bytes(),
+        certificate_chain=Path(cert).read_bytes(),
+    )
+    # A chunk of the largest size (4 MiB) and its framing: over gRPC's 4 MiB default.
+    channel = grpc.secure_channel(
+        target, creds, options=[("grpc.max_receive_message_length", 32 << 20)]
+    )
+    stub = pb_grpc.WeightCacheServiceStub(channel)
+    held: list[Any] = []
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command["op"]
+        try:
+            answer: dict[str, Any] = {}
+            if op == "begin":
+                begun = stub.BeginSeed(
+                    pb.BeginSeedRequest(
+                        components=_components(checkpoint), ttl_seconds=command.get("ttl", 0)
+                    ),
+                    timeout=20,
+                )
+                answer = {"lease_id": begun.lease_id, "arena_size": begun.arena_size}
+            elif op == "list":
+                listed = stub.ListLeases(pb.ListLeasesRequest(), timeout=20)
+                answer = {
+                    "leases": [
+                        {"lease_id": h.lease.lease_id, "model": h.lease.model,
+                         "label": h.worker.label, "ttl": h.lease.ttl.seconds}
+                        for h in listed.leases
+                    ]
+                }  # fmt: skip
+            elif op == "read":
+                request = pb.ReadSeedDataRequest(
+                    lease_id=command["lease_id"],
+                    length=command["length"],
+                    chunk_bytes=command["chunk_bytes"],
+                )
+                got = sum(len(r.data) for r in stub.ReadSeedData(request, timeout=30))
+                answer = {"bytes": got}
+            elif op == "end":
+                stub.EndSeed(pb.EndSeedRequest(lease_id=command["lease_id"]), timeout=20)
+            elif op == "open":
+                request = pb.ReadSeedDataRequest(
+                    lease_id=command["lease_id"],
+                    length=command["length"],
+                    chunk_bytes=command["chunk_bytes"],
+                )
+                refused = []
+                for _ in range(command["streams"]):
+                    call = stub.ReadSeedData(request, timeout=120)
+                    try:
+                        next(call)
+                        held.append(call)
+                    except grpc.RpcError as exc:
+                        refused.append(_refused(exc)["reason"])
+                answer = {"opened": len(held), "refused": refused}
+            elif op == "close":
+                for call in held:
+                    call.cancel()
+                held.clear()
+        except grpc.RpcError as exc:
+            answer = _refused(exc)
+        print(json.dumps(answer), flush=True)
+    channel.close()
+
+
+if __name__ == "__main__":
+    main()
