@@ -191,8 +191,12 @@ SEED_APT := iproute2 openssl
 seed-deps:
 	@$(call apt_install,seed-deps,$(SEED_APT))
 
+# pytest runs under tests/isolated.sh: a private /dev/shm, so that suites running beside
+# each other on one machine do not remove each other's dead daemons' segments.
+ISOLATED := tests/isolated.sh
+
 test: $(STAMP) cpp native check-protos lint test-node promtool seed-deps
-	$(PY) -m pytest
+	$(ISOLATED) $(PY) -m pytest
 
 # The newest releases pyproject.toml allows, before users meet them (issue 35): .venv-latest
 # made anew from the ranges (no lock), what differs from locks/dev.txt printed, then the
@@ -206,7 +210,7 @@ test-latest: cpp native promtool seed-deps $(NODE_STAMP) | $(UV)
 	$(UV) pip install --quiet --python $(LPY) --upgrade $(UV_SOURCES) -c locks/constraints.txt \
 		-e '.[dev,demo,bench]'
 	$(LPY) tests/lockfile.py --diff locks/dev.txt
-	$(LPY) -m pytest -p no:cacheprovider
+	$(ISOLATED) $(LPY) -m pytest -p no:cacheprovider
 
 # promtool, for tests/test_operators.py's `promtool check rules` on
 # deploy/monitoring/weightcache-alerts.yml: the binary of Debian's `prometheus` package,
@@ -289,7 +293,7 @@ setup-vllm: $(VLLM_STAMP)
 # The integration's tests (tests/vllm), each vLLM engine in a process of its own; `make
 # test` collects them too, and skips them where vLLM is not installed.
 test-vllm: $(VLLM_STAMP)
-	$(VPY) -m pytest tests/vllm tests/test_lockfile.py -p no:cacheprovider
+	$(ISOLATED) $(VPY) -m pytest tests/vllm tests/test_lockfile.py -p no:cacheprovider
 
 demo-vllm: $(VLLM_STAMP)
 	$(VPY) demo/demo_vllm.py
