@@ -189,6 +189,57 @@ def test_the_overrides_enter_the_identity_as_one_canonical_json_object(tmp_path:
     assert canonical_overrides('{"rope_theta": 1000000}') != canonical_overrides(engine)
 
 
+LONGROPE = {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "params", "long_rope"),
+    [
+        # Another rope: vLLM derives no held tensor from max_model_len; it is dropped.
+        ({}, {"max_model_len": "8192"}, None),
+        ({"rope_scaling": LONGROPE}, {}, "false"),
+        ({"rope_scaling": LONGROPE}, {"max_model_len": "4096"}, "false"),
+        ({"rope_scaling": LONGROPE}, {"max_model_len": "4097"}, "true"),
+        # The rope type from the engine's overrides, over config.json's.
+        (
+            {},
+            {"hf_overrides": json.dumps({"rope_scaling": LONGROPE}), "max_model_len": "9000"},
+            "true",
+        ),
+        (
+            {"rope_scaling": LONGROPE},
+            {"hf_overrides": '{"rope_scaling": {"type": "default"}}', "max_model_len": "9000"},
+            None,
+        ),
+    ],
+)
+def test_max_model_len_enters_the_identity_only_where_a_buffer_depends_on_it(
+    tmp_path: Path, fields: dict[str, object], params: dict[str, str], long_rope: str | None
+) -> None:
+    limits = {"original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+    folder = write_config(tmp_path / "m", **limits, **fields)
+    resolved = dict(VllmRecipe().resolve(folder, Placement(), params))
+
+    assert "max_model_len" not in resolved
+    assert resolved.get("long_rope") == long_rope
+
+
+@pytest.mark.parametrize(
+    ("fields", "params", "message"),
+    [
+        ({"rope_scaling": LONGROPE}, {"max_model_len": "x"}, "max_model_len 'x' is not an integer"),
+        ({"rope_scaling": {"rope_type": "longrope"}}, {}, "without an integer original_max"),
+    ],
+)
+def test_a_longrope_identity_needs_its_lengths(
+    tmp_path: Path, fields: dict[str, object], params: dict[str, str], message: str
+) -> None:
+    extra = {} if "original" in message else {"original_max_position_embeddings": 4096}
+    folder = write_config(tmp_path / "m", **extra, **fields)
+    with pytest.raises(RecipeError, match=message):
+        VllmRecipe().resolve(folder, Placement(), params)
+
+
 @pytest.mark.parametrize("value", ["[1, 2]", "rope_theta=5", '{"a": NaN}'])
 def test_overrides_that_are_not_a_json_object_are_refused(value: str) -> None:
     with pytest.raises(RecipeError, match=r"hf_overrides .* is not a JSON object"):

@@ -78,6 +78,7 @@ def engine_config(
     extra: dict[str, Any] | None = None,
     *,
     hf_overrides: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> VllmConfig:
     """The configuration vLLM's ``EngineArgs`` make for ``model`` (eager), with this
     process's one-process distributed group started (gloo on loopback, as vLLM's CPU
@@ -93,6 +94,7 @@ def engine_config(
         load_format=load_format,
         model_loader_extra_config=extra or {},
         hf_overrides=hf_overrides or {},
+        max_model_len=max_model_len,
         enforce_eager=True,
         seed=0,
     )
@@ -108,7 +110,11 @@ def engine_config(
 
 
 def load_model(
-    model: str, dtype: str, quantization: str, hf_overrides: dict[str, Any] | None = None
+    model: str,
+    dtype: str,
+    quantization: str,
+    hf_overrides: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> nn.Module:
     """The model as vLLM's worker builds and loads it, before processing."""
     from vllm.config import set_current_vllm_config
@@ -116,7 +122,9 @@ def load_model(
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    vllm_config = engine_config(model, dtype, quantization, hf_overrides=hf_overrides)
+    vllm_config = engine_config(
+        model, dtype, quantization, hf_overrides=hf_overrides, max_model_len=max_model_len
+    )
     model_config = vllm_config.model_config
     with set_current_vllm_config(vllm_config):
         ensure_model_parallel_initialized(1, 1)
@@ -133,13 +141,17 @@ def export(
     out: str,
     dtype: str,
     quantization: str,
+    *,
     hf_overrides: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
-    """Load ``model`` as vLLM does (``hf_overrides`` over its ``config.json``) and write its
-    tensors to ``out``; the summary printed."""
+    """Load ``model`` as vLLM does (``hf_overrides`` over its ``config.json``;
+    ``max_model_len``: vLLM's default when None) and write its tensors to ``out``; the
+    summary printed."""
     from safetensors.torch import save_file
 
-    tensors, aliases = named_tensors(load_model(model, dtype, quantization, hf_overrides))
+    built = load_model(model, dtype, quantization, hf_overrides, max_model_len)
+    tensors, aliases = named_tensors(built)
     save_file(tensors, out, metadata={"format": "pt", "vllm_aliases": json.dumps(aliases)})
     return {
         "tensors": len(tensors),
@@ -156,9 +168,17 @@ def main() -> None:
     parser.add_argument("--dtype", required=True)
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--hf-overrides", default="{}", help="a JSON object, as vLLM's")
+    parser.add_argument("--max-model-len", type=int, default=None)
     args = parser.parse_args()
     overrides = json.loads(args.hf_overrides)
-    summary = export(args.model, args.out, args.dtype, args.quantization, overrides)
+    summary = export(
+        args.model,
+        args.out,
+        args.dtype,
+        args.quantization,
+        hf_overrides=overrides,
+        max_model_len=args.max_model_len,
+    )
     print(json.dumps(summary), file=sys.stdout, flush=True)
 
 

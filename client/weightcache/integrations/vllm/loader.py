@@ -97,7 +97,8 @@ DESCRIBE_TIMEOUT = 5.0
 
 def engine_recipe(model_config: ModelConfig) -> Recipe:
     """The ``vllm`` recipe an engine of ``model_config`` asks the daemon for: its dtype,
-    quantization and ``hf_overrides`` (what it changes in ``config.json``); the rest
+    quantization, ``hf_overrides`` (what it changes in ``config.json``) and
+    ``max_model_len`` (which the recipe keeps only where a buffer depends on it); the rest
     (architecture, config digest, versions, placement) the recipe resolves.
 
     Raises:
@@ -107,6 +108,7 @@ def engine_recipe(model_config: ModelConfig) -> Recipe:
     params = (
         ("dtype", canonical_dtype(model_config.dtype)),
         ("hf_overrides", canonical_overrides(model_config.hf_overrides)),
+        ("max_model_len", str(model_config.max_model_len)),
         ("quantization", str(model_config.quantization or "none").lower()),
     )
     return Recipe(plugins=(PluginStep(PLUGIN_NAME, params),))

