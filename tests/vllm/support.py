@@ -208,3 +208,22 @@ sys.exit(code)
     )
     script.chmod(0o755)
     return script
+
+
+def recording_python(folder: Path) -> tuple[Path, Path]:
+    """An interpreter for ``$WEIGHTCACHE_VLLM_PYTHON`` (written to ``folder``) that appends
+    its arguments, one JSON line per run, to a log, then runs this venv's Python with them.
+    Returns (the interpreter, the log)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script, log = folder / "python", folder / "runs.jsonl"
+    script.write_text(
+        f"""#!{sys.executable}
+import json, os, sys
+with open({str(log)!r}, "a", encoding="utf-8") as runs:
+    runs.write(json.dumps(sys.argv[1:]) + "\\n")
+os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])
+""",
+        encoding="utf-8",
+    )
+    script.chmod(0o755)
+    return script, log

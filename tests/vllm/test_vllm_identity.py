@@ -26,10 +26,12 @@ from tests.vllm.support import (
     EngineRun,
     export_dropping,
     installed,
+    recording_python,
     run_engine,
     run_engine_failing,
     skipped_reasons,
 )
+from weightcache.core.errors import FingerprintMismatchError
 from weightcache.core.plugins import PluginStep
 from weightcache.core.recipe import Recipe
 from weightcache.testing import Daemon, DaemonPool
@@ -101,6 +103,21 @@ def test_an_engines_override_is_a_mismatch_naming_it_and_it_serves_the_default_l
     assert run.result["token_ids"] == llama_rope_default.result["token_ids"]
     # The override changes the tokens: the held rotary cache would have served others.
     assert llama_rope_default.result["token_ids"] != llama_default.result["token_ids"]
+
+
+def test_a_mismatch_is_found_without_running_the_export(
+    plain: Daemon, llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, runs = recording_python(tmp_path / "python")
+    monkeypatch.setenv("WEIGHTCACHE_VLLM_PYTHON", str(python))
+    step = PluginStep("vllm", (("dtype", "float32"), ("hf_overrides", ROPE_TEXT)))
+    with pytest.raises(FingerprintMismatchError) as caught:
+        weightcache.load(llama, socket=plain.socket, recipe=Recipe(plugins=(step,)), fallback=False)
+
+    assert caught.value.components == ["recipe"]
+    # vLLM's Python was asked for its versions (the identity), and never ran the export.
+    ran = [json.loads(line) for line in runs.read_text(encoding="utf-8").splitlines()]
+    assert [args[0] for args in ran] == ["-c"]
 
 
 def test_the_same_overrides_on_both_sides_attach(

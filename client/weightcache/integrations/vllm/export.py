@@ -94,7 +94,7 @@ def engine_config(
         load_format=load_format,
         model_loader_extra_config=extra or {},
         hf_overrides=hf_overrides or {},
-        max_model_len=max_model_len,
+        max_model_len=max_model_len,  # None: vLLM's, derived from the config
         enforce_eager=True,
         seed=0,
     )
