@@ -262,6 +262,9 @@ def test_the_differing_fields_name_each_override_by_key() -> None:
         "hf_overrides.rope_theta",
     ]
     assert differing_fields(held, held, "2+vllm-0.32.0", "2+vllm-0.31.0") == ["version"]
+    # A daemon's value that is no JSON object is named whole.
+    odd = held | {"hf_overrides": "[1]"}
+    assert differing_fields(asked, odd, "2", "2") == ["dtype", "hf_overrides"]
 
 
 @pytest.mark.parametrize(

@@ -220,11 +220,15 @@ def differing_fields(
     ``version`` when the versions differ: what an engine logs beside a mismatch."""
     fields = [key for key in sorted(set(asked) | set(held)) if asked.get(key) != held.get(key)]
     if "hf_overrides" in fields:
-        mine = json.loads(asked.get("hf_overrides") or NO_OVERRIDES)
-        theirs = json.loads(held.get("hf_overrides") or NO_OVERRIDES)
-        keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        at = fields.index("hf_overrides")
-        fields[at : at + 1] = [f"hf_overrides.{key}" for key in keys]
+        try:
+            mine = json.loads(asked.get("hf_overrides") or NO_OVERRIDES)
+            theirs = json.loads(held.get("hf_overrides") or NO_OVERRIDES)
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        except (ValueError, TypeError, AttributeError):  # not two JSON objects: named whole
+            keys = []
+        if keys:
+            at = fields.index("hf_overrides")
+            fields[at : at + 1] = [f"hf_overrides.{key}" for key in keys]
     if asked_version != held_version:
         fields.append("version")
     return fields
