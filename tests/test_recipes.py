@@ -557,3 +557,21 @@ def test_full_hashes_are_cached_on_disk_and_redone_when_a_file_changes(
         == hashlib.sha256(b"x" * 1000 + b"y").hexdigest()
     )
     assert hashes.take() == ["blob.bin"]
+
+
+def test_a_step_parameter_may_be_a_json_value_with_commas() -> None:
+    step = weightcache.PluginStep.parse('vllm:dtype=float32,hf_overrides={"a":1,"b":[2,3]},q=x')
+    assert step.params == (("dtype", "float32"), ("hf_overrides", '{"a":1,"b":[2,3]}'), ("q", "x"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('vllm:hf_overrides={"a":1', r"parameter 'hf_overrides' is not JSON: Expecting"),
+        ('vllm:hf_overrides={"a":1}x', r"""parameter 'hf_overrides': 'x' follows its JSON value"""),
+        ("vllm:dtype", r"parameter 'dtype' is not k=v"),
+    ],
+)
+def test_a_step_parameter_that_starts_as_json_must_be_json(text: str, message: str) -> None:
+    with pytest.raises(weightcache.RecipeError, match=message):
+        weightcache.PluginStep.parse(text)

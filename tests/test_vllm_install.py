@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,14 @@ from torch import nn
 from weightcache.core.errors import RecipeError
 from weightcache.core.plugins import PluginStep
 from weightcache.core.recipe import Placement, Recipe
-from weightcache.integrations.vllm.install import InstallError, install, materialize_meta
-from weightcache.integrations.vllm.recipe import VllmRecipe, canonical_dtype
+from weightcache.integrations.vllm.install import InstallError, install
+from weightcache.integrations.vllm.recipe import (
+    VllmRecipe,
+    canonical_dtype,
+    canonical_overrides,
+    differing_fields,
+    versions,
+)
 
 
 class Tagged(nn.Parameter):
@@ -71,7 +78,7 @@ def test_every_name_takes_the_held_tensor_itself_and_ties_stay_ties() -> None:
     model, tensors = on_meta(), held()
     done = install(model, tensors)
 
-    assert (done.tensors, done.names, done.left_on_meta) == (3, 5, [])
+    assert (done.tensors, done.names) == (3, 5)
     assert model.embed.weight.data_ptr() == tensors["embed.weight"].data_ptr()
     assert model.head.weight is model.embed.weight
     assert model.b.rope.cache is model.a.rope.cache
@@ -108,14 +115,36 @@ def test_another_shape_or_dtype_installs_nothing(tensor: torch.Tensor, message: 
     assert model.embed.weight.is_meta
 
 
-def test_what_the_daemon_did_not_hold_is_materialized_and_named() -> None:
+@pytest.mark.parametrize(
+    ("left_out", "named"),
+    [
+        ("a.rope.cache", "2 parameter(s) or buffer(s) of the model: a.rope.cache, b.rope.cache"),
+        ("norm.weight", "1 parameter(s) or buffer(s) of the model: norm.weight"),
+    ],
+)
+def test_a_tensor_the_daemon_did_not_hold_installs_nothing_and_is_named(
+    left_out: str, named: str
+) -> None:
+    model, tensors = on_meta(), held()
+    del tensors[left_out]
+    with pytest.raises(InstallError, match=re.escape(named) + "$") as caught:
+        install(model, tensors)
+
+    assert caught.value.reason == "INSTALL_FAILED"
+    # Nothing installed, and nothing given memory without a value.
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def test_what_the_constructor_made_off_meta_keeps_vllms_value() -> None:
     model, tensors = on_meta(), held()
     del tensors["a.rope.cache"]
-    done = install(model, tensors)
-    assert done.left_on_meta == ["a.rope.cache", "b.rope.cache"]
-
-    assert materialize_meta(model, torch.device("cpu")) == ["a.rope.cache", "b.rope.cache"]
-    assert model.a.rope.cache.device.type == "cpu" and model.b.rope.cache is model.a.rope.cache
+    computed = torch.tensor([4.0, 5.0, 6.0])
+    model.a.rope.cache = computed  # as a constructor that names its device makes it
+    install(model, tensors)
+    # One module shared by a and b: both names keep the constructor's tensor.
+    assert model.a.rope.cache is computed and model.b.rope.cache is computed
+    norm = dict(model.named_parameters())["norm.weight"]
+    assert norm.data_ptr() == tensors["norm.weight"].data_ptr()
 
 
 def write_config(folder: Path, **fields: object) -> Path:
@@ -133,15 +162,109 @@ def test_the_recipe_resolves_its_parameters_from_the_folder(tmp_path: Path) -> N
         "architecture": "LlamaForCausalLM",
         "config_sha256": params["config_sha256"],
         "dtype": "bfloat16",
+        "hf_overrides": "{}",
         "quantization": "awq",
         "tp_rank": "0",
         "tp_size": "1",
+        "transformers": versions()[1],
     }
     assert len(params["config_sha256"]) == 64
     given = dict(
         VllmRecipe().resolve(folder, Placement(), {"dtype": "half", "quantization": "none"})
     )
     assert (given["dtype"], given["quantization"]) == ("float16", "none")
+
+
+def test_the_overrides_enter_the_identity_as_one_canonical_json_object(tmp_path: Path) -> None:
+    folder = write_config(tmp_path / "m")
+    given = '{"rope_scaling":{"type":"linear","factor":2.0}, "rope_theta": 1000000.0}'
+    params = dict(VllmRecipe().resolve(folder, Placement(), {"hf_overrides": given}))
+
+    expected = '{"rope_scaling":{"factor":2.0,"type":"linear"},"rope_theta":1000000.0}'
+    assert params["hf_overrides"] == expected
+    # What an engine's ModelConfig.hf_overrides holds gives the same text.
+    engine = {"rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert canonical_overrides(engine) == expected
+    assert canonical_overrides({}) == canonical_overrides(None) == "{}"
+    # An int is not the float it equals: vLLM's config would hold either as given.
+    assert canonical_overrides('{"rope_theta": 1000000}') != canonical_overrides(engine)
+
+
+LONGROPE = {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "params", "long_rope"),
+    [
+        # Another rope: vLLM derives no held tensor from max_model_len; it is dropped.
+        ({}, {"max_model_len": "8192"}, None),
+        ({"rope_scaling": LONGROPE}, {}, "false"),
+        ({"rope_scaling": LONGROPE}, {"max_model_len": "4096"}, "false"),
+        ({"rope_scaling": LONGROPE}, {"max_model_len": "4097"}, "true"),
+        # The rope type from the engine's overrides, over config.json's.
+        (
+            {},
+            {"hf_overrides": json.dumps({"rope_scaling": LONGROPE}), "max_model_len": "9000"},
+            "true",
+        ),
+        (
+            {"rope_scaling": LONGROPE},
+            {"hf_overrides": '{"rope_scaling": {"type": "default"}}', "max_model_len": "9000"},
+            None,
+        ),
+    ],
+)
+def test_max_model_len_enters_the_identity_only_where_a_buffer_depends_on_it(
+    tmp_path: Path, fields: dict[str, object], params: dict[str, str], long_rope: str | None
+) -> None:
+    limits = {"original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+    folder = write_config(tmp_path / "m", **limits, **fields)
+    resolved = dict(VllmRecipe().resolve(folder, Placement(), params))
+
+    assert "max_model_len" not in resolved
+    assert resolved.get("long_rope") == long_rope
+
+
+@pytest.mark.parametrize(
+    ("fields", "params", "message"),
+    [
+        ({"rope_scaling": LONGROPE}, {"max_model_len": "x"}, "max_model_len 'x' is not an integer"),
+        ({"rope_scaling": {"rope_type": "longrope"}}, {}, "without an integer original_max"),
+    ],
+)
+def test_a_longrope_identity_needs_its_lengths(
+    tmp_path: Path, fields: dict[str, object], params: dict[str, str], message: str
+) -> None:
+    extra = {} if "original" in message else {"original_max_position_embeddings": 4096}
+    folder = write_config(tmp_path / "m", **extra, **fields)
+    with pytest.raises(RecipeError, match=message):
+        VllmRecipe().resolve(folder, Placement(), params)
+
+
+@pytest.mark.parametrize("value", ["[1, 2]", "rope_theta=5", '{"a": NaN}'])
+def test_overrides_that_are_not_a_json_object_are_refused(value: str) -> None:
+    with pytest.raises(RecipeError, match=r"hf_overrides .* is not a JSON object"):
+        canonical_overrides(value)
+
+
+def test_a_function_as_overrides_has_no_identity() -> None:
+    with pytest.raises(RecipeError, match="is not a JSON object"):
+        canonical_overrides(lambda config: config)
+
+
+def test_the_differing_fields_name_each_override_by_key() -> None:
+    held = {"dtype": "float32", "hf_overrides": '{"rope_theta":20000.0,"x":1}', "tp_size": "1"}
+    asked = {"dtype": "bfloat16", "hf_overrides": '{"rope_scaling":{},"x":1}', "tp_size": "1"}
+
+    assert differing_fields(asked, held, "2+vllm-0.32.0", "2+vllm-0.32.0") == [
+        "dtype",
+        "hf_overrides.rope_scaling",
+        "hf_overrides.rope_theta",
+    ]
+    assert differing_fields(held, held, "2+vllm-0.32.0", "2+vllm-0.31.0") == ["version"]
+    # A daemon's value that is no JSON object is named whole.
+    odd = held | {"hf_overrides": "[1]"}
+    assert differing_fields(asked, odd, "2", "2") == ["dtype", "hf_overrides"]
 
 
 @pytest.mark.parametrize(

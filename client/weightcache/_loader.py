@@ -388,8 +388,16 @@ def _load_checkpoint(
     """Attach by fingerprint, or load from disk; ``refusal`` is the daemon's final answer
     to an Acquire by file identity (or the socket's absence), which is not asked again:
     then no fingerprint is computed unless the weights' is read
-    (:func:`weightcache._disk.fingerprint_later`)."""
-    pipeline = recipe.build(checkpoint, placement)
+    (:func:`weightcache._disk.fingerprint_later`).
+
+    A recipe whose plugin builds the model (a ``ModelPlugin``: its build runs an engine's
+    export, seconds to minutes) is built only for the disk path: the fingerprint needs
+    only its identity (``Recipe.identity``), so a refusal costs no export."""
+    builds_model = recipe.builds_model()
+    if builds_model:
+        pipeline = Pipeline(nodes={}, identity=recipe.identity(checkpoint.root, placement))
+    else:
+        pipeline = recipe.build(checkpoint, placement)
     level = opts.fingerprint_level
     fp: Fingerprint | Callable[[], Fingerprint]
     try:
@@ -409,6 +417,8 @@ def _load_checkpoint(
     log.warning(
         "loading from disk", reason=reason.code, detail=reason.detail, path=str(checkpoint.root)
     )
+    if builds_model:
+        pipeline = recipe.build(checkpoint, placement)
     return _from_disk(checkpoint, pipeline, fp, reason, opts.mode)
 
 

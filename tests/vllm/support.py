@@ -74,13 +74,15 @@ def run_engine(
     extra: dict[str, Any] | None = None,
     *,
     dtype: str = "float32",
+    hf_overrides: dict[str, Any] | None = None,
 ) -> EngineRun:
-    """Run ``python -m weightcache.testing.vllm_engine`` and return what it saved.
+    """Run ``python -m weightcache.testing.vllm_engine`` and return what it saved
+    (``hf_overrides``: vLLM's, over the model's ``config.json``).
 
     Raises:
         EngineError: it exited non-zero or ran over :data:`ENGINE_TIMEOUT`.
     """
-    done = _engine(model, task, load_format, out, extra or {}, dtype=dtype)
+    done = _engine(model, task, load_format, out, extra or {}, dtype=dtype, overrides=hf_overrides)
     log = done.stdout + done.stderr
     if done.returncode != 0:
         raise EngineError(f"engine exited {done.returncode}:\n{log[-6000:]}")
@@ -89,14 +91,20 @@ def run_engine(
 
 
 def run_engine_failing(
-    model: Path, task: str, load_format: str, out: Path, extra: dict[str, Any]
+    model: Path,
+    task: str,
+    load_format: str,
+    out: Path,
+    extra: dict[str, Any],
+    *,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> tuple[int, str]:
     """Run an engine that is expected to fail; its exit status and output.
 
     Raises:
         EngineError: it ran over :data:`ENGINE_TIMEOUT`.
     """
-    done = _engine(model, task, load_format, out, extra)
+    done = _engine(model, task, load_format, out, extra, overrides=hf_overrides)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -108,10 +116,11 @@ def _engine(
     extra: dict[str, Any],
     *,
     dtype: str = "float32",
+    overrides: dict[str, Any] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "weightcache.testing.vllm_engine", str(model)]
     command += ["--task", task, "--load-format", load_format, "--out", str(out)]
-    command += ["--dtype", dtype]
+    command += ["--dtype", dtype, "--hf-overrides", json.dumps(overrides or {})]
     command += ["--extra", json.dumps(extra)]
     # Its own process group: vLLM may start helper processes of its own, and a timeout
     # must end them all, not just the engine's first process.
@@ -168,3 +177,53 @@ def bin_only_copy(folder: Path, dest: Path) -> Path:
     shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("*.safetensors"))
     torch.save(load_file(folder / "model.safetensors"), dest / "pytorch_model.bin")
     return dest
+
+
+def export_dropping(folder: Path, names: list[str]) -> Path:
+    """An interpreter for ``$WEIGHTCACHE_VLLM_PYTHON`` (written to ``folder``) that runs
+    vLLM's export with this venv's Python, then takes ``names`` out of what it wrote: a
+    daemon holding a vLLM-named model that lacks these parameters or buffers (as one from
+    another export could). Every other use of it is this Python's. Returns its path."""
+    script = folder / "python"
+    folder.mkdir(parents=True, exist_ok=True)
+    script.write_text(
+        f"""#!{sys.executable}
+import subprocess, sys
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+args = sys.argv[1:]
+code = subprocess.run([{sys.executable!r}, *args]).returncode
+if code == 0 and args[:2] == ["-m", "weightcache.integrations.vllm.export"]:
+    out = args[args.index("--out") + 1]
+    with safe_open(out, "pt") as exported:
+        metadata = exported.metadata()
+    tensors = load_file(out)
+    for name in {names!r}:
+        del tensors[name]
+    save_file(tensors, out, metadata=metadata)
+sys.exit(code)
+""",
+        encoding="utf-8",
+    )
+    script.chmod(0o755)
+    return script
+
+
+def recording_python(folder: Path) -> tuple[Path, Path]:
+    """An interpreter for ``$WEIGHTCACHE_VLLM_PYTHON`` (written to ``folder``) that appends
+    its arguments, one JSON line per run, to a log, then runs this venv's Python with them.
+    Returns (the interpreter, the log)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script, log = folder / "python", folder / "runs.jsonl"
+    script.write_text(
+        f"""#!{sys.executable}
+import json, os, sys
+with open({str(log)!r}, "a", encoding="utf-8") as runs:
+    runs.write(json.dumps(sys.argv[1:]) + "\\n")
+os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])
+""",
+        encoding="utf-8",
+    )
+    script.chmod(0o755)
+    return script, log

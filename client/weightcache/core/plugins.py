@@ -19,6 +19,7 @@ it): the engine it runs shards, fuses and casts by its own rules.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -89,21 +90,18 @@ class PluginStep:
 
     @classmethod
     def parse(cls, text: str) -> PluginStep:
-        """Parse ``NAME[:k=v,...]`` as given to ``--recipe``.
+        """Parse ``NAME[:k=v,...]`` as given to ``--recipe``. A value that starts with
+        ``{`` or ``[`` is one JSON value (RFC 8259), commas included:
+        ``vllm:hf_overrides={"rope_theta":1000000.0,"max_position_embeddings":512}``.
 
         Raises:
-            RecipeError: an empty name, or a parameter without ``=``.
+            RecipeError: an empty name, a parameter without ``=``, or a value that starts
+                as JSON and is not one JSON value followed by ``,`` or the end.
         """
         name, _, rest = text.partition(":")
-        params = []
-        for item in filter(None, rest.split(",")):
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise RecipeError(f"recipe {text!r}: parameter {item!r} is not k=v")
-            params.append((key, value))
         if not name:
             raise RecipeError(f"recipe {text!r}: no name")
-        return cls(name, tuple(sorted(params)))
+        return cls(name, tuple(sorted(_params(text, rest))))
 
     def load(self) -> RecipePlugin | ModelPlugin:
         """The installed plugin for this step.
@@ -127,3 +125,37 @@ class PluginStep:
                 "the two must agree (the name is what operators allow and fingerprints hold)"
             )
         return plugin
+
+
+def _params(text: str, rest: str) -> list[tuple[str, str]]:
+    """The ``k=v`` items of ``rest`` (``text`` after its ``NAME:``), split at commas
+    outside JSON values."""
+    params = []
+    at = 0
+    while at < len(rest):
+        comma = rest.find(",", at)
+        end = len(rest) if comma < 0 else comma
+        key, sep, _ = rest[at:end].partition("=")
+        if at == end:  # an empty item, as in "a=1,,b=2"
+            at += 1
+            continue
+        if not sep or not key:
+            raise RecipeError(f"recipe {text!r}: parameter {rest[at:end]!r} is not k=v")
+        start = at + len(key) + 1
+        if rest.startswith(("{", "["), start):
+            end = _json_end(text, key, rest, start)
+        params.append((key, rest[start:end]))
+        at = end + 1
+    return params
+
+
+def _json_end(text: str, key: str, rest: str, start: int) -> int:
+    try:
+        _, end = json.JSONDecoder().raw_decode(rest, start)
+    except json.JSONDecodeError as err:
+        raise RecipeError(f"recipe {text!r}: parameter {key!r} is not JSON: {err}") from None
+    if end < len(rest) and rest[end] != ",":
+        raise RecipeError(
+            f"recipe {text!r}: parameter {key!r}: {rest[end:]!r} follows its JSON value"
+        )
+    return end

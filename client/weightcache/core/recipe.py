@@ -120,6 +120,16 @@ class Recipe:
         """
         return self._identity(*self._resolve(root, placement))
 
+    def builds_model(self) -> bool:
+        """Whether a plugin of the recipe builds every held tensor itself (a
+        :class:`~weightcache.core.plugins.ModelPlugin`, whose :meth:`build` runs an
+        engine): then :meth:`identity` is the cheap way to its fingerprint.
+
+        Raises:
+            RecipeError: a plugin is missing.
+        """
+        return any(isinstance(step.load(), ModelPlugin) for step in self.plugins)
+
     def _resolve(self, root: Path, placement: Placement) -> tuple[TPPlan | None, list[_Step]]:
         plugins = [(step, step.load()) for step in self.plugins]
         # An empty plan means "not given", on the wire and here alike.

@@ -4,7 +4,7 @@ The vLLM integration's tests and ``make demo-vllm`` run it in the venv that has 
 (``make setup-vllm``), once per engine, so that engines never share a process::
 
     python -m weightcache.testing.vllm_engine MODEL_DIR --task embed|generate \\
-        --load-format weightcache|auto [--extra JSON] --out FILE
+        --load-format weightcache|auto [--extra JSON] [--hf-overrides JSON] --out FILE
 
 vLLM runs in this one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager (no
 ``torch.compile``: minutes on a small CPU), in float32 (``--dtype``), offline. ``--out`` receives a
@@ -116,9 +116,16 @@ def placement(model: Any) -> dict[str, Any]:
 
 
 def run(
-    model: str, task: str, load_format: str, extra: dict[str, Any], dtype: str = "float32"
+    model: str,
+    task: str,
+    load_format: str,
+    extra: dict[str, Any],
+    dtype: str = "float32",
+    *,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Build the engine, run the task; the dict ``--out`` receives."""
+    """Build the engine (``hf_overrides`` as vLLM's ``--hf-overrides``), run the task; the
+    dict ``--out`` receives."""
     import vllm
     from vllm.plugins import load_general_plugins
 
@@ -136,6 +143,7 @@ def run(
         gpu_memory_utilization=MEMORY_UTILIZATION,
         max_model_len=MAX_MODEL_LEN,
         seed=0,
+        hf_overrides=hf_overrides or {},
     )
     result: dict[str, Any] = {"engine_s": time.perf_counter() - start}
     result["load_model_s"] = timing["load_model_s"]
@@ -159,8 +167,10 @@ def main() -> None:
     parser.add_argument("--extra", default="{}", help="model_loader_extra_config, JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--hf-overrides", default="{}", help="vLLM's hf_overrides, JSON")
     args = parser.parse_args()
-    result = run(args.model, args.task, args.load_format, json.loads(args.extra), args.dtype)
+    extra, overrides = json.loads(args.extra), json.loads(args.hf_overrides)
+    result = run(args.model, args.task, args.load_format, extra, args.dtype, hf_overrides=overrides)
     torch.save(result, args.out)
 
 

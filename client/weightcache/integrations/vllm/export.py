@@ -3,10 +3,12 @@
 Run by the daemon (:mod:`.recipe`) in vLLM's environment, one process per model::
 
     python -m weightcache.integrations.vllm.export MODEL_DIR --out FILE \\
-        --dtype bfloat16 --quantization none
+        --dtype bfloat16 --quantization none [--hf-overrides JSON]
 
 It builds the engine's configuration with vLLM's ``EngineArgs`` (``load_format="auto"``,
-eager), starts a one-process distributed group (gloo on loopback, as vLLM's CPU worker),
+eager, the step's ``hf_overrides`` applied over ``config.json`` as an engine's
+``--hf-overrides`` are), starts a one-process distributed group (gloo on loopback, as
+vLLM's CPU worker),
 builds the model on the CPU with vLLM's ``DefaultModelLoader.create_model``, runs its
 ``load_weights`` (vLLM's weight loaders: q/k/v and gate/up fused, tied weights tied) and
 writes :func:`named_tensors` to ``FILE`` as safetensors, loaded but not processed
@@ -74,6 +76,9 @@ def engine_config(
     quantization: str,
     load_format: str = "auto",
     extra: dict[str, Any] | None = None,
+    *,
+    hf_overrides: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> VllmConfig:
     """The configuration vLLM's ``EngineArgs`` make for ``model`` (eager), with this
     process's one-process distributed group started (gloo on loopback, as vLLM's CPU
@@ -88,6 +93,8 @@ def engine_config(
         quantization=None if quantization == "none" else quantization,
         load_format=load_format,
         model_loader_extra_config=extra or {},
+        hf_overrides=hf_overrides or {},
+        max_model_len=max_model_len,  # None: vLLM's, derived from the config
         enforce_eager=True,
         seed=0,
     )
@@ -102,14 +109,22 @@ def engine_config(
     return config
 
 
-def load_model(model: str, dtype: str, quantization: str) -> nn.Module:
+def load_model(
+    model: str,
+    dtype: str,
+    quantization: str,
+    hf_overrides: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
+) -> nn.Module:
     """The model as vLLM's worker builds and loads it, before processing."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    vllm_config = engine_config(model, dtype, quantization)
+    vllm_config = engine_config(
+        model, dtype, quantization, hf_overrides=hf_overrides, max_model_len=max_model_len
+    )
     model_config = vllm_config.model_config
     with set_current_vllm_config(vllm_config):
         ensure_model_parallel_initialized(1, 1)
@@ -121,11 +136,22 @@ def load_model(model: str, dtype: str, quantization: str) -> nn.Module:
     return cast(nn.Module, built)
 
 
-def export(model: str, out: str, dtype: str, quantization: str) -> dict[str, Any]:
-    """Load ``model`` as vLLM does and write its tensors to ``out``; the summary printed."""
+def export(
+    model: str,
+    out: str,
+    dtype: str,
+    quantization: str,
+    *,
+    hf_overrides: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
+) -> dict[str, Any]:
+    """Load ``model`` as vLLM does (``hf_overrides`` over its ``config.json``;
+    ``max_model_len``: vLLM's default when None) and write its tensors to ``out``; the
+    summary printed."""
     from safetensors.torch import save_file
 
-    tensors, aliases = named_tensors(load_model(model, dtype, quantization))
+    built = load_model(model, dtype, quantization, hf_overrides, max_model_len)
+    tensors, aliases = named_tensors(built)
     save_file(tensors, out, metadata={"format": "pt", "vllm_aliases": json.dumps(aliases)})
     return {
         "tensors": len(tensors),
@@ -141,8 +167,18 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", required=True)
     parser.add_argument("--quantization", default="none")
+    parser.add_argument("--hf-overrides", default="{}", help="a JSON object, as vLLM's")
+    parser.add_argument("--max-model-len", type=int, default=None)
     args = parser.parse_args()
-    summary = export(args.model, args.out, args.dtype, args.quantization)
+    overrides = json.loads(args.hf_overrides)
+    summary = export(
+        args.model,
+        args.out,
+        args.dtype,
+        args.quantization,
+        hf_overrides=overrides,
+        max_model_len=args.max_model_len,
+    )
     print(json.dumps(summary), file=sys.stdout, flush=True)
 
 

@@ -11,6 +11,11 @@ made with ``torch.Tensor._make_subclass`` of the meta parameter's class, as
 ``nn.Parameter.__new__`` does, and takes the meta parameter's ``__dict__``. Every name
 under which the model reaches one meta tensor (tied weights, a rotary module shared by
 layers) gets the same new object, so ties stay ties.
+
+Every parameter and buffer of the model must be held (``docs/protocol.md``, "No tensor
+left uninitialized"): a model with a tensor the daemon does not hold is refused whole
+(:class:`InstallError`), never given uninitialized memory, and the engine loads another
+way (``docs/vllm.md``).
 """
 
 from __future__ import annotations
@@ -21,10 +26,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from weightcache.core.errors import WeightCacheError
 
-class InstallError(ValueError):
+#: How many names an :class:`InstallError` lists before it counts the rest.
+MAX_NAMED = 8
+
+
+class InstallError(WeightCacheError, ValueError):
     """The held tensors do not fit the engine's model (a name it lacks, another shape or
-    dtype): the weights were made for another model, and nothing may be installed."""
+    dtype, a parameter or buffer of the model no held tensor gives): the weights were made
+    for another model, and nothing may be installed. Reason ``INSTALL_FAILED`` (a client
+    code: no daemon sends it)."""
+
+    reason = "INSTALL_FAILED"
 
 
 @dataclass
@@ -34,12 +48,10 @@ class Installed:
     Attributes:
         tensors: held tensors installed (each once, whatever its number of names).
         names: model names that now hold a held tensor (aliases included).
-        left_on_meta: parameters and buffers still on the meta device, by name.
     """
 
     tensors: int = 0
     names: int = 0
-    left_on_meta: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -79,11 +91,15 @@ def _new_object(meta: torch.Tensor, tensor: torch.Tensor, is_param: bool) -> tor
 def install(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Installed:
     """Put ``tensors`` (name -> tensor, vLLM names) in ``model`` in place of its tensors.
 
-    Every name must be a parameter or buffer of ``model`` with the same shape and dtype.
+    Every name must be a parameter or buffer of ``model`` with the same shape and dtype,
+    and every parameter and buffer of ``model`` on the meta device must get a tensor (under
+    one of its names): none is left without a value.
 
     Raises:
-        InstallError: a name the model does not have, or a shape or dtype other than the
-            model's; checked for every name before anything is installed.
+        InstallError: a name the model does not have, a shape or dtype other than the
+            model's, or parameters or buffers of the model that no tensor gives (named:
+            the first :data:`MAX_NAMED`, then their count); checked before anything is
+            installed.
     """
     places, by_name = _places(model)
     chosen: list[tuple[_Place, torch.Tensor]] = []
@@ -98,6 +114,20 @@ def install(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Installed:
                 f"has {tuple(place.meta.shape)} {place.meta.dtype}"
             )
         chosen.append((place, tensor))
+    # A tensor the constructor made off the meta device (on a device it names) has the
+    # value vLLM's own code gave it; one still on meta has none.
+    given = {id(place.meta) for place, _ in chosen}
+    missing = [
+        name
+        for key, place in places.items()
+        if key not in given and place.meta.is_meta
+        for name in place.names
+    ]
+    if missing:
+        raise InstallError(
+            f"the daemon holds no tensor for {len(missing)} parameter(s) or buffer(s) of the "
+            f"model: {_names(missing)}"
+        )
     done = Installed()
     for place, tensor in chosen:
         new = {True: _new_object(place.meta, tensor, True), False: tensor}
@@ -106,26 +136,9 @@ def install(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Installed:
             table[leaf] = new[is_param]  # type: ignore[assignment]
         done.tensors += 1
         done.names += len(place.names)
-    installed = {id(place) for place, _ in chosen}
-    done.left_on_meta = [
-        name for place in places.values() if id(place) not in installed for name in place.names
-    ]
     return done
 
 
-def materialize_meta(model: nn.Module, device: torch.device) -> list[str]:
-    """Give every parameter and buffer still on the meta device uninitialized memory on
-    ``device`` (as vLLM's own ``IpcModelLoader`` does for what its daemon did not hold);
-    the names so treated, which the caller logs."""
-    places, _ = _places(model)
-    named: list[str] = []
-    for place in places.values():
-        if not place.meta.is_meta:
-            continue
-        empty = torch.empty_like(place.meta, device=device)
-        new = {True: _new_object(place.meta, empty, True), False: empty}
-        for module, leaf, is_param in place.slots:
-            table = module._parameters if is_param else module._buffers
-            table[leaf] = new[is_param]  # type: ignore[assignment]
-        named += place.names
-    return named
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:MAX_NAMED])
+    return shown if len(names) <= MAX_NAMED else f"{shown} and {len(names) - MAX_NAMED} more"

