@@ -22,7 +22,7 @@ from weightcache.integrations.vllm.recipe import (
     canonical_dtype,
     canonical_overrides,
     differing_fields,
-    versions,
+    transformers_version,
 )
 
 
@@ -166,7 +166,7 @@ def test_the_recipe_resolves_its_parameters_from_the_folder(tmp_path: Path) -> N
         "quantization": "awq",
         "tp_rank": "0",
         "tp_size": "1",
-        "transformers": versions()[1],
+        "transformers": transformers_version(),
     }
     assert len(params["config_sha256"]) == 64
     given = dict(

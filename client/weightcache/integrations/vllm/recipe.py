@@ -124,8 +124,9 @@ def _version_here(module: str, distributions: tuple[str, ...]) -> str:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
+    shown = "vLLM" if module == "vllm" else module
     raise RecipeError(
-        f"recipe vllm: {module} is not installed for {sys.executable} (none of "
+        f"recipe vllm: {shown} is not installed for {sys.executable} (none of "
         f"{', '.join(distributions)}); set ${ENV_PYTHON} to the Python of vLLM's venv"
     )
 
@@ -157,6 +158,21 @@ def versions() -> tuple[str, str]:
         RecipeError: vLLM or transformers is not installed there.
     """
     return _versions_of(python())
+
+
+def transformers_version() -> str:
+    """The version of transformers that :func:`python` runs (as :func:`versions`), without
+    needing vLLM where that is this interpreter: the recipe's identity names it whether or
+    not vLLM is installed beside the daemon.
+
+    Raises:
+        RecipeError: transformers is not installed there, or (another interpreter) it
+            cannot tell its versions.
+    """
+    interpreter = python()
+    if interpreter == sys.executable:
+        return _version_here("transformers", ("transformers",))
+    return _versions_of(interpreter)[1]
 
 
 def vllm_version() -> str:
@@ -300,7 +316,7 @@ class VllmRecipe:
             "quantization": str(quant).lower(),
             "tp_rank": str(placement.tp_rank),
             "tp_size": str(placement.tp_size),
-            "transformers": versions()[1],
+            "transformers": transformers_version(),
         }
         original = long_rope_original(config, json.loads(overrides))
         if original is not None:
