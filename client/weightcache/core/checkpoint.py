@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from weightcache.core import hub
 from weightcache.core.dtypes import SUB_BYTE, TORCH_DTYPES, itemsize
 from weightcache.core.errors import (
     InvalidCheckpointError,
@@ -233,11 +234,13 @@ def hub_snapshot(cache_root: str | os.PathLike[str], repo_id: str, revision: str
     layout ``huggingface_hub`` writes; see its cache-system documentation).
 
     Raises:
-        InvalidCheckpointError: the repository or revision is not in the cache.
+        InvalidCheckpointError: the repository or revision is not in the cache, or its
+            ``refs/`` file is not a small regular file (:func:`weightcache.core.hub.read_ref`).
+        InvalidArgumentError: the revision is malformed (``hub.check_revision``).
     """
     repo = Path(cache_root) / ("models--" + repo_id.replace("/", "--"))
-    ref = repo / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
+    hub.check_revision(revision)
+    commit = hub.read_ref(repo, revision) or revision
     snapshot = repo / "snapshots" / commit
     if "/" in commit or not snapshot.is_dir():
         raise InvalidCheckpointError(f"{repo_id}@{revision} is not in the hub cache {cache_root}")
