@@ -413,16 +413,22 @@ class Daemon:
         self.notifier.send("STOPPING=1", "STATUS=handing over")
         await self.health.draining()
         held = []
+        originals = []
         for model in self.cache.handed_over():
             # Renamed to a name no clean-up of dead daemons' segments removes.
             renamed = os.path.join(SHM_DIR, handover_name(self._tag))
             os.rename(model.segment, renamed)
             held.append(dataclasses.replace(model, segment=renamed))
+            originals.append(model.segment)
         path = manifest_path(self.config.socket)
         try:
             await asyncio.to_thread(write_manifest, path, self.instance_id, held)
         except OSError as exc:
             log.error("cannot write the hand-over manifest: draining", why=str(exc))
+            # Back to their own names, so that the drain frees them (issue 37, item 7:
+            # they stayed in /dev/shm under hand-over names nobody would adopt).
+            for model, original in zip(held, originals, strict=True):
+                os.rename(model.segment, original)
             await self._drain()
             return
         for model in held:
