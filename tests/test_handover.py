@@ -23,7 +23,14 @@ from pathlib import Path
 import pytest
 
 from tests.fault_support import Child, Children, list_models, proc_status, start_ready
-from tests.support import SINGLE_FILE, Checkpoints, DaemonPool, private_shm, wait_until
+from tests.support import (
+    SINGLE_FILE,
+    Checkpoints,
+    DaemonPool,
+    private_shm,
+    service_stub,
+    wait_until,
+)
 from weightcache.testing import child_env
 from weightcache.testing.daemon import Daemon
 from weightcache.testing.protocol import tensor_digest
@@ -145,6 +152,27 @@ def _manifest_foreign(path: Path, segment: str) -> None:
     os.chown(path, 65534, -1)
 
 
+def _edit_model(path: Path, **changes: object) -> None:
+    document = json.loads(path.read_text())
+    document["models"][0].update(changes)
+    path.write_text(json.dumps(document))  # keeps its mode, 0600
+
+
+def _nan_lease_ttl(path: Path, segment: str) -> None:
+    # Before (issue 37, item 11): adopted, an immortal lease; ListLeases INTERNAL.
+    lease = {"lease_id": "a" * 32, "ttl": float("nan"), "request_id": "", "pid": 1}
+    _edit_model(path, leases=[lease])
+
+
+def _far_create_time(path: Path, segment: str) -> None:
+    # Before (issue 37, item 11): adopted; ListModels and Evict INTERNAL for everyone.
+    _edit_model(path, create_time=1e300)
+
+
+def _negative_size(path: Path, segment: str) -> None:
+    _edit_model(path, size=-1)
+
+
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 
 REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
@@ -152,6 +180,9 @@ REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
     (_mode_0644, "has mode 0644, not 0600"),
     (_other_format, "the manifest's format is 'weightcache.handover/9'"),
     (_segment_resized, "the manifest says"),
+    (_nan_lease_ttl, "model 0: leases[0].ttl nan is not a number in [0.0, 86400.0]"),
+    (_far_create_time, "model 0: create_time 1e+300 is not a number in [0.0, "),
+    (_negative_size, "model 0: size -1 is not an integer in [1, 1125899906842624]"),
 ]
 
 
@@ -162,7 +193,10 @@ REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
         pytest.param(_segment_foreign, "belongs to uid 65534", marks=ROOT_ONLY),
         pytest.param(_manifest_foreign, "belongs to uid 65534", marks=ROOT_ONLY),
     ],
-    ids=["garbage", "mode", "format", "resized", "segment-owner", "manifest-owner"],
+    ids=[
+        *("garbage", "mode", "format", "resized", "nan-ttl", "create-time", "size"),
+        *("segment-owner", "manifest-owner"),
+    ],
 )
 def test_a_manifest_or_segment_that_does_not_check_out_adopts_nothing(
     daemons: DaemonPool,
@@ -188,6 +222,8 @@ def test_a_manifest_or_segment_that_does_not_check_out_adopts_nothing(
         os.unlink(segment)
     assert os.path.basename(segment) not in " ".join(new.segments())
     assert list_models(new.socket)["single"].state == pb.MODEL_STATE_READY
+    with service_stub(new.socket) as stub:
+        assert list(stub.ListLeases(pb.ListLeasesRequest(), timeout=10).leases) == []
 
 
 def test_a_hand_over_nobody_takes_is_removed_by_gc_and_a_failed_one_frees_its_arenas(

@@ -369,11 +369,14 @@ class Daemon:
         manifest entry, segment and checkpoint check out, with its leases; what does not is
         logged and left to :meth:`_clean_after_predecessor`, which removes it."""
         path = manifest_path(socket)
+        refused: list[str] = []
         try:
-            held = read_manifest(path)
+            held = read_manifest(path, refused)
         except HandOverRefusedError as exc:
             log.error("hand-over refused: adopting nothing", manifest=path, why=str(exc))
             return
+        for why in refused:
+            log.error("hand-over: model not adopted", manifest=path, why=why)
         if held is None:
             return
         access = self.config.access
