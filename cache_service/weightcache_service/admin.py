@@ -53,9 +53,17 @@ def health(socket: str, liveness: bool, timeout: float) -> int:
     if reply.status == health_pb2.HealthCheckResponse.SERVING:
         return 0
     if service == READINESS:
-        for line in _not_ready_models(socket, timeout):
+        lines = _not_ready_models(socket, timeout)
+        for line in lines or [NO_MODEL_TO_BLAME]:
             print(line)
     return EXIT_FAILURE
+
+
+#: What ``health`` prints when readiness is NOT_SERVING and no model is to blame.
+NO_MODEL_TO_BLAME = (
+    "no model is LOADING or FAILED: the daemon is starting, draining or stopping, or a "
+    "required model was evicted (load it again)"
+)
 
 
 def _not_ready_models(socket: str, timeout: float) -> list[str]:

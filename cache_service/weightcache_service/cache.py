@@ -804,9 +804,12 @@ class WeightCache:
         """
         refusal = self.store.refusals.pop(name, None)
         if refusal is not None:
+            self.store.given_up.add(name)
             log.info("evicted", model=name)
             return refusal.info()
         entry = self.store.get(name)
+        if entry.state == "failed":
+            self.store.given_up.add(name)
         if entry.state == "loading":
             raise ModelLoadingError(f"model {entry.name!r} is loading; evict it once loaded")
         holders = self.leases.for_model(entry.name)

@@ -669,23 +669,27 @@ class Daemon:
                 if spec.required and "model" in err.metadata:
                     self.health.require(err.metadata["model"])
             except Exception as err:
-                # Never let one model stop the others or leave health NOT_SERVING forever.
-                if spec.required:
-                    self.health.refused()
+                # Never let one model stop the others or leave health NOT_SERVING forever:
+                # it is required under its FAILED name, until loaded again or evicted.
                 if isinstance(err, WeightCacheError):
                     log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
                 else:
                     log.exception("cannot preload", path=spec.path, error=repr(err))
                 # A model refused for lack of memory stays listed (FAILED): counted below.
                 if not isinstance(err, ResourceExhaustedError):
-                    self.cache.refuse(
+                    refused: str | None = self.cache.refuse(
                         spec.path,
                         spec.recipe,
                         spec.placement,
                         spec.fingerprint_level,
                         err,
                         name=spec.name,
-                    )
+                    ).name
+                else:
+                    refused = self._failed_name(spec.path)
+                if spec.required:
+                    # A name no model takes, if none was kept: never ready, as before.
+                    self.health.require(refused or f"{spec.path} (refused)")
         self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         for entry in required:
@@ -706,6 +710,13 @@ class Daemon:
             failed=failed,
             bytes=self.store.held_bytes(),
         )
+
+    def _failed_name(self, path: str) -> str | None:
+        """The name of the FAILED model a start-up preload of ``path`` left (refused for
+        lack of memory), if any."""
+        real = Path(os.path.realpath(path))
+        names = [e.name for e in self.store.entries() if e.state == "failed"]
+        return next((n for n in names if self.store.get(n).checkpoint.root == real), None)
 
     def _not_ready_status(self) -> str:
         """systemd's STATUS= once start-up ended without readiness: the models that are not
