@@ -417,3 +417,36 @@ def test_systemd_units_and_the_cli_agree_on_the_socket(
     assert default_socket(device) == expected  # a worker's load(path, device=...)
     if device == "cpu":  # a GPU daemon checks first that it sees its device
         assert daemon_socket(daemon_args) == expected
+
+
+def test_seed_from_without_peer_tls_is_refused_at_start_and_in_a_preload(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    # Before (issue 37, item 17): the daemon started silently and every seed failed later
+    # with UNAVAILABLE "Socket closed". Refused at once now, saying what is missing.
+    started = run_cli("preload", str(checkpoints.single), "--seed-from", "peer.example:7443")
+    assert (started.returncode, started.stdout) == (2, "")
+    assert started.stderr == (
+        "weightcache preload: --seed-from needs --peer-tls-cert, --peer-tls-key and "
+        "--peer-tls-ca (peers seed only over mutual TLS; docs/seeding.md shows how to make "
+        "the certificates)\n"
+    )
+    daemon = daemons.start(
+        args=["--allow-remote-preload", "--model-root", str(checkpoints.single.parent)]
+    )
+
+    loaded = run_cli(
+        "load",
+        str(checkpoints.single),
+        "--seed-from",
+        "peer.example:7443",
+        "--socket",
+        daemon.socket,
+    )
+
+    assert (loaded.returncode, loaded.stdout) == (1, "")
+    assert loaded.stderr == (
+        "weightcache load: INVALID_ARGUMENT: seeding from peer.example:7443 needs mutual TLS: "
+        "start the daemon with --peer-tls-cert, --peer-tls-key and --peer-tls-ca "
+        "(docs/seeding.md)\n"
+    )

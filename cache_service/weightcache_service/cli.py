@@ -447,6 +447,16 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
             file=sys.stderr,
         )
         return EXIT_USAGE
+    if args.seed_from and not all(peer_tls):
+        # Seeding RPCs need an authenticated peer: without a client certificate every seed
+        # failed, late and obscurely (UNAVAILABLE, "Socket closed"; issue 37, item 17).
+        print(
+            "weightcache preload: --seed-from needs --peer-tls-cert, --peer-tls-key and "
+            "--peer-tls-ca (peers seed only over mutual TLS; docs/seeding.md shows how to "
+            "make the certificates)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     if args.allow_seeding and args.listen is None:
         print("weightcache preload: --allow-seeding needs --listen", file=sys.stderr)
         return EXIT_USAGE
