@@ -34,7 +34,7 @@ from tests.support import (
 )
 from weightcache.core.sockets import default_socket
 from weightcache.core.sockets import segment_tag as socket_tag
-from weightcache.testing.daemon import wait_or_kill
+from weightcache.testing.daemon import list_models, wait_or_kill
 from weightcache_service.admin import human_bytes
 from weightcache_service.cli import _parser, client_socket, daemon_socket
 
@@ -450,3 +450,33 @@ def test_seed_from_without_peer_tls_is_refused_at_start_and_in_a_preload(
         "start the daemon with --peer-tls-cert, --peer-tls-key and --peer-tls-ca "
         "(docs/seeding.md)\n"
     )
+
+
+def test_evict_takes_a_path_and_a_pickled_only_folder_is_named_as_such(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    # Before (issue 37, item 18): `evict PATH` said MODEL_NOT_FOUND (names only), and a
+    # folder of .bin files was refused without a word about them.
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save({"w": torch.zeros(2)}, pickled / "pytorch_model.bin")
+    daemon = daemons.start([checkpoints.single, pickled])
+
+    [failed] = [m for m in list_models(daemon.socket) if m.name == "pickled"]
+    by_path = run_cli("evict", str(checkpoints.single), "--socket", daemon.socket)
+    nothing = run_cli("evict", str(tmp_path), "--socket", daemon.socket)
+
+    assert failed.error == (
+        f"INVALID_CHECKPOINT: {pickled}: neither model.safetensors nor "
+        "model.safetensors.index.json found; it holds pickled PyTorch weights "
+        "(pytorch_model.bin), which are not read (unpickling runs code): save them as "
+        "safetensors first (transformers: save_pretrained(..., safe_serialization=True))"
+    )
+    assert (by_path.returncode, by_path.stdout, by_path.stderr) == (0, "evicted single\n", "")
+    assert (nothing.returncode, nothing.stdout, nothing.stderr) == (
+        1,
+        "",
+        f"weightcache evict: MODEL_NOT_FOUND: no model is loaded from {tmp_path} "
+        "(weightcache ls lists them)\n",
+    )
+    assert [m.name for m in list_models(daemon.socket)] == ["pickled"]

@@ -88,6 +88,8 @@ def test_a_restart_hands_arenas_and_leases_over_without_copies(
     log = new.log()
     assert "] adopted " in log and "leases=2" in log
     assert "] loading " not in log, log  # the start-up preload found it held
+    # ... and says so as the usual restart it is (issue 37, item 18: a warning before).
+    assert "[info     ] already held: adopted" in log and "[warning  ] already held" not in log
     assert not written.exists()  # read once
     [adopted] = new.segments()
     assert adopted != segment

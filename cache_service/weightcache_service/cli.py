@@ -318,7 +318,9 @@ def _parser() -> argparse.ArgumentParser:
     health.set_defaults(probe="readiness")
     _client_arguments(health)
     evict = sub.add_parser("evict", help="drop a model")
-    evict.add_argument("name")
+    evict.add_argument(
+        "name", help="its name (as ls shows it), or the path it was loaded from, if only one"
+    )
     evict.add_argument(
         "--force",
         action="store_true",

@@ -265,6 +265,8 @@ class Daemon:
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._drain_deadline: float | None = None
+        #: Names of the models adopted from a predecessor's hand-over.
+        self._adopted: set[str] = set()
         #: (st_dev, st_ino) of the socket this daemon bound.
         self._socket_id: tuple[int, int] | None = None
         #: (soft, hard) RLIMIT_NOFILE after raise_fd_limit, for the "started" line.
@@ -395,6 +397,7 @@ class Daemon:
             except (HandOverRefusedError, WeightCacheError, OSError) as exc:
                 log.error("hand-over: model not adopted", model=model.name, why=str(exc))
                 continue
+            self._adopted.add(entry.name)
             log.info(
                 "adopted",
                 model=entry.name,
@@ -665,7 +668,12 @@ class Daemon:
                     self.health.require(entry.name)
                     required.append(entry)
             except ModelExistsError as err:
-                log.warning("already held", path=spec.path, error=err.detail)
+                if err.metadata.get("model") in self._adopted:
+                    # The usual restart: the predecessor handed it over (issue 37, item 18:
+                    # this was a warning at every such restart).
+                    log.info("already held: adopted", path=spec.path, model=err.metadata["model"])
+                else:
+                    log.warning("already held", path=spec.path, error=err.detail)
                 if spec.required and "model" in err.metadata:
                     self.health.require(err.metadata["model"])
             except Exception as err:
