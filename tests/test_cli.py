@@ -34,7 +34,7 @@ from tests.support import (
 )
 from weightcache.core.sockets import default_socket
 from weightcache.core.sockets import segment_tag as socket_tag
-from weightcache.testing.daemon import wait_or_kill
+from weightcache.testing.daemon import list_models, wait_or_kill
 from weightcache_service.admin import human_bytes
 from weightcache_service.cli import _parser, client_socket, daemon_socket
 
@@ -417,3 +417,66 @@ def test_systemd_units_and_the_cli_agree_on_the_socket(
     assert default_socket(device) == expected  # a worker's load(path, device=...)
     if device == "cpu":  # a GPU daemon checks first that it sees its device
         assert daemon_socket(daemon_args) == expected
+
+
+def test_seed_from_without_peer_tls_is_refused_at_start_and_in_a_preload(
+    daemons: DaemonPool, checkpoints: Checkpoints
+) -> None:
+    # Before (issue 37, item 17): the daemon started silently and every seed failed later
+    # with UNAVAILABLE "Socket closed". Refused at once now, saying what is missing.
+    started = run_cli("preload", str(checkpoints.single), "--seed-from", "peer.example:7443")
+    assert (started.returncode, started.stdout) == (2, "")
+    assert started.stderr == (
+        "weightcache preload: --seed-from needs --peer-tls-cert, --peer-tls-key and "
+        "--peer-tls-ca (peers seed only over mutual TLS; docs/seeding.md shows how to make "
+        "the certificates)\n"
+    )
+    daemon = daemons.start(
+        args=["--allow-remote-preload", "--model-root", str(checkpoints.single.parent)]
+    )
+
+    loaded = run_cli(
+        "load",
+        str(checkpoints.single),
+        "--seed-from",
+        "peer.example:7443",
+        "--socket",
+        daemon.socket,
+    )
+
+    assert (loaded.returncode, loaded.stdout) == (1, "")
+    assert loaded.stderr == (
+        "weightcache load: INVALID_ARGUMENT: seeding from peer.example:7443 needs mutual TLS: "
+        "start the daemon with --peer-tls-cert, --peer-tls-key and --peer-tls-ca "
+        "(docs/seeding.md)\n"
+    )
+
+
+def test_evict_takes_a_path_and_a_pickled_only_folder_is_named_as_such(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    # Before (issue 37, item 18): `evict PATH` said MODEL_NOT_FOUND (names only), and a
+    # folder of .bin files was refused without a word about them.
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save({"w": torch.zeros(2)}, pickled / "pytorch_model.bin")
+    daemon = daemons.start([checkpoints.single, pickled])
+
+    [failed] = [m for m in list_models(daemon.socket) if m.name == "pickled"]
+    by_path = run_cli("evict", str(checkpoints.single), "--socket", daemon.socket)
+    nothing = run_cli("evict", str(tmp_path), "--socket", daemon.socket)
+
+    assert failed.error == (
+        f"INVALID_CHECKPOINT: {pickled}: neither model.safetensors nor "
+        "model.safetensors.index.json found; it holds pickled PyTorch weights "
+        "(pytorch_model.bin), which are not read (unpickling runs code): save them as "
+        "safetensors first (transformers: save_pretrained(..., safe_serialization=True))"
+    )
+    assert (by_path.returncode, by_path.stdout, by_path.stderr) == (0, "evicted single\n", "")
+    assert (nothing.returncode, nothing.stdout, nothing.stderr) == (
+        1,
+        "",
+        f"weightcache evict: MODEL_NOT_FOUND: no model is loaded from {tmp_path} "
+        "(weightcache ls lists them)\n",
+    )
+    assert [m.name for m in list_models(daemon.socket)] == ["pickled"]

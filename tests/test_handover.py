@@ -15,13 +15,23 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.fault_support import Child, Children, list_models, proc_status, start_ready
-from tests.support import Checkpoints, DaemonPool, wait_until
+from tests.support import (
+    SINGLE_FILE,
+    Checkpoints,
+    DaemonPool,
+    private_shm,
+    service_stub,
+    wait_until,
+)
+from weightcache.testing import child_env
 from weightcache.testing.daemon import Daemon
 from weightcache.testing.protocol import tensor_digest
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -78,6 +88,8 @@ def test_a_restart_hands_arenas_and_leases_over_without_copies(
     log = new.log()
     assert "] adopted " in log and "leases=2" in log
     assert "] loading " not in log, log  # the start-up preload found it held
+    # ... and says so as the usual restart it is (issue 37, item 18: a warning before).
+    assert "[info     ] already held: adopted" in log and "[warning  ] already held" not in log
     assert not written.exists()  # read once
     [adopted] = new.segments()
     assert adopted != segment
@@ -142,6 +154,27 @@ def _manifest_foreign(path: Path, segment: str) -> None:
     os.chown(path, 65534, -1)
 
 
+def _edit_model(path: Path, **changes: object) -> None:
+    document = json.loads(path.read_text())
+    document["models"][0].update(changes)
+    path.write_text(json.dumps(document))  # keeps its mode, 0600
+
+
+def _nan_lease_ttl(path: Path, segment: str) -> None:
+    # Before (issue 37, item 11): adopted, an immortal lease; ListLeases INTERNAL.
+    lease = {"lease_id": "a" * 32, "ttl": float("nan"), "request_id": "", "pid": 1}
+    _edit_model(path, leases=[lease])
+
+
+def _far_create_time(path: Path, segment: str) -> None:
+    # Before (issue 37, item 11): adopted; ListModels and Evict INTERNAL for everyone.
+    _edit_model(path, create_time=1e300)
+
+
+def _negative_size(path: Path, segment: str) -> None:
+    _edit_model(path, size=-1)
+
+
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 
 REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
@@ -149,6 +182,9 @@ REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
     (_mode_0644, "has mode 0644, not 0600"),
     (_other_format, "the manifest's format is 'weightcache.handover/9'"),
     (_segment_resized, "the manifest says"),
+    (_nan_lease_ttl, "model 0: leases[0].ttl nan is not a number in [0.0, 86400.0]"),
+    (_far_create_time, "model 0: create_time 1e+300 is not a number in [0.0, "),
+    (_negative_size, "model 0: size -1 is not an integer in [1, 1125899906842624]"),
 ]
 
 
@@ -159,7 +195,10 @@ REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
         pytest.param(_segment_foreign, "belongs to uid 65534", marks=ROOT_ONLY),
         pytest.param(_manifest_foreign, "belongs to uid 65534", marks=ROOT_ONLY),
     ],
-    ids=["garbage", "mode", "format", "resized", "segment-owner", "manifest-owner"],
+    ids=[
+        *("garbage", "mode", "format", "resized", "nan-ttl", "create-time", "size"),
+        *("segment-owner", "manifest-owner"),
+    ],
 )
 def test_a_manifest_or_segment_that_does_not_check_out_adopts_nothing(
     daemons: DaemonPool,
@@ -185,3 +224,54 @@ def test_a_manifest_or_segment_that_does_not_check_out_adopts_nothing(
         os.unlink(segment)
     assert os.path.basename(segment) not in " ".join(new.segments())
     assert list_models(new.socket)["single"].state == pb.MODEL_STATE_READY
+    with service_stub(new.socket) as stub:
+        assert list(stub.ListLeases(pb.ListLeasesRequest(), timeout=10).leases) == []
+
+
+def test_a_hand_over_nobody_takes_is_removed_by_gc_and_a_failed_one_frees_its_arenas(
+    checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    # Before (issue 37, item 7): SIGTERM under --hand-over with no successor left the
+    # segment in /dev/shm under its hand-over name, and gc neither listed nor removed it;
+    # when the manifest could not be written (ENOSPC), "draining" was logged and the
+    # renamed segment stayed too. Run in a private /dev/shm (gc sees only this test's).
+    run = subprocess.run(
+        [
+            *private_shm("64m", 1000),
+            sys.executable,
+            str(Path(__file__).resolve().parent / "handover_orphans.py"),
+            str(checkpoints.single),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=240,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-4000:] + run.stdout[-4000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+
+    assert len(result["loaded"]) == 1, result
+    [loaded] = result["loaded"]
+    [handed] = result["handed_over"]
+    size = os.stat(checkpoints.single / SINGLE_FILE).st_size  # at least the tensor bytes
+    assert result["stopped"] == 0
+    assert handed != loaded and "-handover-" in handed, result
+    # Within the grace (600 s) a successor may still come: kept.
+    assert (result["gc_default"], result["after_gc_default"]) == (
+        "no segment of a dead daemon: nothing to remove\n",
+        [handed],
+    )
+    [dry] = result["gc_dry_run"].splitlines()
+    assert dry.startswith(f"would remove /dev/shm/{handed} (") and dry.endswith(
+        " s ago, not adopted)"
+    ), dry
+    assert result["after_dry_run"] == [handed]
+    [removed] = result["gc"].splitlines()
+    assert removed == dry.replace("would remove", "removed", 1)
+    assert int(removed.split("(")[1].split()[0]) >= size - 8 - 2**16  # its bytes listed
+    assert result["after_gc"] == []
+    assert result["full_stopped"] == 0
+    assert "cannot write the hand-over manifest: draining" in result["full_log"]
+    assert result["full_after"] == [], result["full_log"]

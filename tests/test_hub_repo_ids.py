@@ -11,8 +11,10 @@ in separate processes."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import grpc
 import pytest
 from safetensors.torch import load_file
 
@@ -23,7 +25,9 @@ from tests.support import (
     DaemonPool,
     WorkerPool,
     assert_attached,
+    rpc_failure,
     run_cli,
+    service_stub,
 )
 from tests.test_operators import log_events, run_cli_env
 from tests.test_probes import scrape
@@ -207,3 +211,55 @@ def test_a_worker_loads_a_repo_id_from_the_daemon(
         "InvalidCheckpointError",
         ABSENT,
     )
+
+
+#: Revisions that are neither a commit hash nor a ref name git accepts (check-ref-format).
+BAD_REVISIONS = (
+    "../../../../dev/zero",
+    "refs/../main",
+    ".hidden",
+    "main.lock",
+    "main@{1}",
+    "/main",
+    "main/",
+    "a//b",
+    "a b",
+    "@",
+)
+
+
+def test_a_revision_is_checked_before_any_file_is_opened(daemons: DaemonPool, cache: Hub) -> None:
+    # Before (issue 37, item 2): the daemon opened refs/<revision> and read it whole before
+    # the model-root check: ../../../../dev/zero took it from 265 MB to 3.46 GB, and a FIFO
+    # pinned its threads (SIGTERM no longer stopped it). Each ref file planted here is
+    # refused the same way: a FIFO, a symlink to /dev/zero, a file too large for a ref.
+    refs = cache.snapshot.parent.parent / "refs"
+    os.mkfifo(refs / "fifo")
+    (refs / "zero").symlink_to("/dev/zero")
+    (refs / "big").write_text(COMMIT * 100)
+    (refs / "junk").write_text("not a commit")
+    daemon = daemons.start(
+        args=["--allow-remote-preload", "--model-root", str(cache.root)], env=cache.env
+    )
+
+    def refusal(revision: str) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Preload(pb.PreloadRequest(repo_id=REPO_ID, revision=revision), timeout=10))
+        failure = rpc_failure(caught.value)
+        return failure.code, failure.reason, failure.metadata
+
+    with service_stub(daemon.socket) as stub:
+        malformed = {revision: refusal(revision) for revision in BAD_REVISIONS}
+        planted = {name: refusal(name) for name in ("fifo", "zero", "big", "junk")}
+        [*_, ready] = stub.Preload(pb.PreloadRequest(repo_id=REPO_ID, revision="v1"), timeout=30)
+
+    assert malformed == dict.fromkeys(
+        BAD_REVISIONS,
+        (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT", {"field": "revision"}),
+    )
+    assert planted == dict.fromkeys(
+        ("fifo", "zero", "big", "junk"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CHECKPOINT", {}),
+    )
+    assert (ready.model, ready.state) == ("acme/tiny@v1", pb.MODEL_STATE_READY)
+    daemon.stop_and_check()  # SIGTERM honoured: no thread is stuck on a FIFO

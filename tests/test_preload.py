@@ -11,7 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save_file
 
 import weightcache
 from tests.fault_support import write_sized_checkpoint
@@ -26,6 +27,7 @@ from tests.recipe_support import recipe_json
 from tests.support import (
     MALFORMED,
     SHARD_2,
+    SINGLE_FILE,
     Checkpoints,
     Daemon,
     DaemonPool,
@@ -41,7 +43,9 @@ from tests.support import (
     shm_segments,
     write_malformed,
 )
+from weightcache.testing.daemon import list_models
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.store import MAX_FAILED
 
 
 @dataclass(frozen=True)
@@ -309,3 +313,27 @@ def test_two_concurrent_preloads_that_fit_only_one_at_a_time_one_is_refused(
     assert listed == {ready[0].model: pb.MODEL_STATE_READY, loser: pb.MODEL_STATE_FAILED}
     assert len(private_segments(daemon.pid)) == 1
     assert daemon.stop() == 0
+
+
+def test_failed_remote_preloads_are_kept_up_to_a_bound(daemons: DaemonPool, tmp_path: Path) -> None:
+    # Before (issue 37, item 10): every FAILED remote Preload was kept forever, a name in
+    # ListModels and six labelled series on /metrics each. Now the newest MAX_FAILED.
+    root = tmp_path / "models"
+    count = MAX_FAILED + 8
+    for i in range(count):
+        (root / f"m{i:02d}").mkdir(parents=True)
+        save_file({"w": torch.full((4,), float(i))}, root / f"m{i:02d}" / SINGLE_FILE)
+    daemon = daemons.start(
+        args=["--allow-remote-preload", "--model-root", str(root), "--headroom", str(2**50)]
+    )
+    codes = []
+    with service_stub(daemon.socket) as stub:
+        for i in range(count):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Preload(pb.PreloadRequest(path=str(root / f"m{i:02d}")), timeout=30))
+            codes.append(rpc_failure(info.value).reason)
+
+    models = list_models(daemon.socket)
+    assert codes == ["RESOURCE_EXHAUSTED"] * count
+    assert sorted(m.name for m in models) == [f"m{i:02d}" for i in range(8, count)]
+    assert {m.state for m in models} == {pb.MODEL_STATE_FAILED}

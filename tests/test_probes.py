@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket as socketlib
 import urllib.request
@@ -33,6 +34,7 @@ from weightcache.core.rpc import SERVICE_NAME
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service.admin import NO_MODEL_TO_BLAME
 
 SERVICES = ("", "readiness", "liveness", SERVICE_NAME)
 
@@ -253,3 +255,37 @@ def test_a_draining_daemon_is_alive_but_not_ready(
     }
     assert worker.request("close", key="w")["ok"]
     assert daemon.proc.wait(30) == 0
+
+
+def test_readiness_returns_once_failed_start_up_models_are_fixed_or_evicted(
+    daemons: DaemonPool, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    # Before (issue 37, item 16): readiness stayed NOT_SERVING after the failed start-up
+    # models were loaded again or evicted, with no reason printed; only a restart cleared it.
+    bad = write_malformed(tmp_path / "bad", "invalid-json")
+    gone = write_malformed(tmp_path / "gone", "invalid-json")
+    daemon = daemons.start(
+        [checkpoints.single, bad, gone],
+        args=["--allow-remote-preload", "--model-root", str(tmp_path)],
+    )
+
+    def ready() -> tuple[int, str]:
+        result = run_cli("health", "--socket", daemon.socket)
+        return result.returncode, result.stdout
+
+    assert ready()[0] == 1
+    shutil.rmtree(bad)
+    shutil.copytree(checkpoints.other, bad)  # fixed
+    loaded = run_cli("load", str(bad), "--socket", daemon.socket)
+    assert (loaded.returncode, loaded.stdout.split()[:2]) == (0, ["bad", "READY"]), loaded
+    gone_error = get_model(daemon.socket, "gone").error
+    assert ready() == (1, f"NOT_SERVING\ngone FAILED: {gone_error}\n")
+
+    evicted = run_cli("evict", "gone", "--socket", daemon.socket)
+    assert evicted.returncode == 0, evicted.stderr
+    wait_until(lambda: ready() == (0, "SERVING\n"), timeout=30)
+
+    # A required model that was READY and is evicted keeps readiness off, and says why.
+    assert run_cli("evict", "single", "--socket", daemon.socket).returncode == 0
+    wait_until(lambda: ready()[0] == 1, timeout=30)
+    assert ready() == (1, f"NOT_SERVING\n{NO_MODEL_TO_BLAME}\n")

@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -24,6 +26,7 @@ from tests.recipe_support import LLAMA_CONFIG, TEST_TIMEOUT, build_llama, preloa
 from tests.support import Daemon, DaemonPool, rpc_failure
 from weightcache.core.errors import RecipeError
 from weightcache.core.recipe import Placement, Recipe
+from weightcache.core.sidefiles import MAX_SIDE_FILE_BYTES
 from weightcache.core.tp import FORWARD_ONLY_STYLES, REFUSED_STYLES, TRANSFORMERS_STYLES, TPPlan
 from weightcache.testing import child_env
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -210,3 +213,48 @@ def test_the_daemon_refuses_a_tp_size_over_the_key_value_heads(
     # the daemon keeps serving: tp_size 2 loads.
     replies = preload(remote.socket, llama_root / "llama", tp_rank=0, tp_size=2)
     assert (replies[-1].model, replies[-1].state) == ("llama-tp0of2", pb.MODEL_STATE_READY)
+
+
+def test_a_config_json_that_is_not_a_small_regular_file_inside_the_folder_is_refused(
+    remote: Daemon, llama_root: Path, tmp_path: Path
+) -> None:
+    # Before (issue 37, item 6): a tensor-parallel Preload without a plan read config.json
+    # whole, through symlinks: /dev/zero grew the daemon by 2.85 GB in 5.9 s, and a FIFO
+    # hung the Preload and the daemon's SIGTERM. One reader now (core.sidefiles).
+    outside = tmp_path / "config.json"
+    shutil.copyfile(llama_root / "llama" / "config.json", outside)
+    planted: dict[str, Callable[[Path], object]] = {
+        "cfg-zero": lambda config: config.symlink_to("/dev/zero"),
+        "cfg-fifo": os.mkfifo,
+        "cfg-big": lambda config: config.write_bytes(b" " * (MAX_SIDE_FILE_BYTES + 1)),
+        "cfg-outside": lambda config: config.symlink_to(outside),
+    }
+    for name, plant in planted.items():
+        folder = llama_root / name
+        if not folder.exists():
+            shutil.copytree(llama_root / "llama", folder)
+            (folder / "config.json").unlink()
+            plant(folder / "config.json")
+    refused = {}
+    for name in planted:
+        with pytest.raises(grpc.RpcError) as info:
+            preload(remote.socket, llama_root / name, tp_rank=0, tp_size=2)
+        failure = rpc_failure(info.value)
+        refused[name] = (failure.code, failure.reason, failure.message.split(": ", 1)[1])
+    with pytest.raises(weightcache.InvalidCheckpointError, match="not a regular file"):
+        weightcache.load_from_disk(llama_root / "cfg-fifo", tp_rank=0, tp_size=2)
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    assert refused == {
+        "cfg-zero": (code, "INVALID_CHECKPOINT", "not a regular file"),
+        "cfg-fifo": (code, "INVALID_CHECKPOINT", "not a regular file"),
+        "cfg-big": (code, "INVALID_CHECKPOINT", f"over {MAX_SIDE_FILE_BYTES} bytes"),
+        "cfg-outside": (
+            code,
+            "INVALID_CHECKPOINT",
+            f"resolves to {outside.resolve()}, outside {(llama_root / 'cfg-outside').resolve()}",
+        ),
+    }
+    # The daemon keeps serving: the same folder with its own config.json loads.
+    replies = preload(remote.socket, llama_root / "llama", tp_rank=1, tp_size=2)
+    assert (replies[-1].model, replies[-1].state) == ("llama-tp1of2", pb.MODEL_STATE_READY)

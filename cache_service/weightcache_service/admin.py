@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from weightcache.core.errors import ModelNotFoundError
 from weightcache.core.rpc import LIVENESS, READINESS, call, connect, target
 from weightcache.core.sockets import no_socket
 from weightcache.v1 import weight_cache_service_pb2 as pb
@@ -53,9 +54,17 @@ def health(socket: str, liveness: bool, timeout: float) -> int:
     if reply.status == health_pb2.HealthCheckResponse.SERVING:
         return 0
     if service == READINESS:
-        for line in _not_ready_models(socket, timeout):
+        lines = _not_ready_models(socket, timeout)
+        for line in lines or [NO_MODEL_TO_BLAME]:
             print(line)
     return EXIT_FAILURE
+
+
+#: What ``health`` prints when readiness is NOT_SERVING and no model is to blame.
+NO_MODEL_TO_BLAME = (
+    "no model is LOADING or FAILED: the daemon is starting, draining or stopping, or a "
+    "required model was evicted (load it again)"
+)
 
 
 def _not_ready_models(socket: str, timeout: float) -> list[str]:
@@ -337,8 +346,38 @@ def _already_held(socket: str, name: str, timeout: float | None, err: Exception)
 
 
 def evict(socket: str, name: str, force: bool, timeout: float) -> int:
+    """``weightcache evict NAME|PATH``: a name as ``ls`` shows it, or the path of a
+    checkpoint folder whose one model is evicted (issue 37, item 18: a path was
+    MODEL_NOT_FOUND, as if nothing were loaded from it).
+
+    Raises:
+        WeightCacheError: the daemon refused (``MODEL_NOT_FOUND`` naming what a path
+            matched, ``LEASES_ACTIVE``, ...).
+    """
     channel, stub = connect(socket)
     with channel:
+        models = call(lambda: stub.ListModels(pb.ListModelsRequest(), timeout=timeout)).models
+        name = _model_named(name, models)
         call(lambda: stub.Evict(pb.EvictRequest(name=name, force=force), timeout=timeout))
     print(f"evicted {name}" if not force else f"evicting {name}")
     return 0
+
+
+def _model_named(text: str, models: Sequence[pb.Model]) -> str:
+    """The name of the model ``text`` designates: itself when a model has that name, else
+    the one model loaded from the path ``text`` (compared as real paths).
+
+    Raises:
+        ModelNotFoundError: ``text`` is a path from which no model, or several, are loaded.
+    """
+    if any(m.name == text for m in models) or not os.path.exists(text):
+        return text
+    real = os.path.realpath(text)
+    names = [m.name for m in models if os.path.realpath(m.path) == real]
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise ModelNotFoundError(f"no model is loaded from {text} (weightcache ls lists them)")
+    raise ModelNotFoundError(
+        f"{len(names)} models are loaded from {text}: {', '.join(names)}; evict one by name"
+    )

@@ -210,9 +210,18 @@ class WeightCache:
             ModelExistsError: the fingerprint is already held, or a model loaded from the
                 very same files with the same recipe, placement and level.
             ResourceExhaustedError: the arena would not fit the memory budget.
+            InvalidArgumentError: ``seed_from`` is given and this daemon has no peer TLS
+                files (``--peer-tls-*``): no peer would serve it (``field=seed_from``).
         """
 
         try:
+            if seed_from and not self.options.peer_tls:
+                raise InvalidArgumentError(
+                    f"seeding from {seed_from[:MAX_ID_CHARS]} needs mutual TLS: start the "
+                    "daemon with --peer-tls-cert, --peer-tls-key and --peer-tls-ca "
+                    "(docs/seeding.md)",
+                    metadata={"field": "seed_from"},
+                )
             return await self._begin_load(path, recipe, placement, level, confine, name, seed_from)
         except ModelExistsError:
             raise  # nothing to load: not a refusal
@@ -816,9 +825,12 @@ class WeightCache:
         """
         refusal = self.store.refusals.pop(name, None)
         if refusal is not None:
+            self.store.given_up.add(name)
             log.info("evicted", model=name)
             return refusal.info()
         entry = self.store.get(name)
+        if entry.state == "failed":
+            self.store.given_up.add(name)
         if entry.state == "loading":
             raise ModelLoadingError(f"model {entry.name!r} is loading; evict it once loaded")
         held = self.leases.for_model(entry.name)

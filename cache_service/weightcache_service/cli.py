@@ -40,9 +40,11 @@ whose UUID cannot be read), 2 when ``--device`` names no device.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from weightcache.core.errors import RecipeError, WeightCacheError
@@ -332,15 +334,29 @@ def _parser() -> argparse.ArgumentParser:
     health.set_defaults(probe="readiness")
     _client_arguments(health)
     evict = sub.add_parser("evict", help="drop a model")
-    evict.add_argument("name")
+    evict.add_argument(
+        "name", help="its name (as ls shows it), or the path it was loaded from, if only one"
+    )
     evict.add_argument(
         "--force",
         action="store_true",
         help="revoke live leases (holders get REVOKING, then the model is dropped)",
     )
     _client_arguments(evict)
-    gc = sub.add_parser("gc", help="remove the shared-memory segments of dead daemons")
+    gc = sub.add_parser(
+        "gc",
+        help="remove the shared-memory segments of dead daemons, and handed-over segments "
+        "no successor took",
+    )
     gc.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
+    gc.add_argument(
+        "--handover-grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a segment handed over (--hand-over, SIGUSR2) that no daemon adopted for this "
+        "long is an orphan (default 600)",
+    )
     return parser
 
 
@@ -362,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "preload":
         return _preload(args, argv)
     if args.command == "gc":
-        return _gc(args.dry_run)
+        return _gc(args.dry_run, args.handover_grace)
     try:
         socket = client_socket(args)
     except ValueError as err:
@@ -451,6 +467,16 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
         return EXIT_USAGE
     if args.seed_stall_timeout is not None and not args.seed_stall_timeout > 0:
         print("weightcache preload: --seed-stall-timeout must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    if args.seed_from and not all(peer_tls):
+        # Seeding RPCs need an authenticated peer: without a client certificate every seed
+        # failed, late and obscurely (UNAVAILABLE, "Socket closed"; issue 37, item 17).
+        print(
+            "weightcache preload: --seed-from needs --peer-tls-cert, --peer-tls-key and "
+            "--peer-tls-ca (peers seed only over mutual TLS; docs/seeding.md shows how to "
+            "make the certificates)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if args.allow_seeding and args.listen is None:
         print("weightcache preload: --allow-seeding needs --listen", file=sys.stderr)
@@ -633,24 +659,44 @@ def parse_ranks(texts: list[str], size: int) -> list[int]:
     return sorted(ranks)
 
 
-def _gc(dry_run: bool) -> int:
+def _gc(dry_run: bool, handover_grace: float | None) -> int:
     from weightcache.core.sockets import SHM_DIR
-    from weightcache_service.segments import Skipped, dead_segments, remove_segment
+    from weightcache_service.segments import (
+        HANDOVER_GRACE,
+        Skipped,
+        dead_segments,
+        orphaned_handovers,
+        remove_handed_over,
+        remove_segment,
+    )
 
+    grace = HANDOVER_GRACE if handover_grace is None else handover_grace
     skipped: list[Skipped] = []
     try:
         dead = dead_segments(skipped=skipped)
+        orphans = orphaned_handovers(grace, skipped=skipped)
     except OSError as exc:
         print(f"weightcache gc: cannot list {SHM_DIR}: {exc.strerror}", file=sys.stderr)
         return EXIT_FAILURE
-    if not dead:
+    if not dead and not orphans:
         print("no segment of a dead daemon: nothing to remove")
-    for segment in dead:
-        what = f"{segment.path} ({segment.size} bytes, daemon pid {segment.pid})"
+    removals: list[tuple[str, Callable[[], Skipped | None]]] = [
+        (f"{s.path} ({s.size} bytes, daemon pid {s.pid})", functools.partial(remove_segment, s))
+        for s in dead
+    ]
+    now = time.time()
+    removals += [
+        (
+            f"{h.path} ({h.size} bytes, handed over {now - h.at:.0f} s ago, not adopted)",
+            functools.partial(remove_handed_over, h),
+        )
+        for h in orphans
+    ]
+    for what, remove in removals:
         if dry_run:
             print(f"would remove {what}")
             continue
-        refused = remove_segment(segment)
+        refused = remove()
         if refused is not None:
             skipped.append(refused)
             continue

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from google.protobuf import json_format
@@ -35,6 +37,7 @@ from weightcache.core.checkpoint import FileIdentity
 from weightcache.core.errors import WeightCacheError
 from weightcache.core.fingerprint import Fingerprint
 from weightcache.core.protocol import (
+    MAX_PATH_CHARS,
     fingerprint_from_pb,
     fingerprint_pb,
     placement_from_pb,
@@ -45,6 +48,7 @@ from weightcache.core.protocol import (
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.sockets import SHM_DIR, tag_prefix
 from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache_service.leases import MAX_LEASES
 
 #: The manifest format this daemon writes and reads; any other is refused whole.
 FORMAT = "weightcache.handover/1"
@@ -136,13 +140,17 @@ def write_manifest(path: str, instance_id: str, models: list[HeldModel]) -> None
         raise
 
 
-def read_manifest(path: str) -> list[HeldModel] | None:
+def read_manifest(path: str, refused: list[str]) -> list[HeldModel] | None:
     """Read and remove the manifest at ``path`` (None when there is none).
+
+    Each model entry is checked field by field (:func:`_model_from_json`); an entry that
+    does not check out is left out, and why is appended to ``refused`` (its segment is
+    then removed with the predecessor's others).
 
     Raises:
         HandOverRefusedError: it is a symlink or not a regular file, not owned by this user,
             not mode 0600, over :data:`MAX_MANIFEST_BYTES`, not valid JSON, of another
-            format, or missing a field. It is removed all the same.
+            format, or holds no list of models. It is removed all the same.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -171,12 +179,20 @@ def read_manifest(path: str) -> list[HeldModel] | None:
         raise HandOverRefusedError(
             f"the manifest's format is {found!r}; this daemon reads {FORMAT!r}"
         )
-    try:
-        return [_model_from_json(item) for item in document["models"]]
-    except (KeyError, TypeError, ValueError, json_format.ParseError, WeightCacheError) as exc:
-        raise HandOverRefusedError(
-            f"the manifest is malformed: {type(exc).__name__}: {exc}"
-        ) from None
+    items = document.get("models")
+    if not isinstance(items, list):
+        raise HandOverRefusedError("the manifest is malformed: no list of models")
+    held = []
+    for index, item in enumerate(items):
+        try:
+            if not isinstance(item, dict):
+                raise HandOverRefusedError("not an object")
+            held.append(_model_from_json(item))
+        except HandOverRefusedError as exc:
+            refused.append(f"model {index}: {exc}")
+        except (KeyError, TypeError, ValueError, json_format.ParseError, WeightCacheError) as exc:
+            refused.append(f"model {index}: malformed: {type(exc).__name__}: {exc}")
+    return held
 
 
 def check_segment(model: HeldModel, tag: str) -> None:
@@ -236,25 +252,83 @@ def _model_json(model: HeldModel) -> dict[str, Any]:
     }
 
 
+#: Bounds a manifest entry's numbers must meet (issue 37, item 11: a NaN TTL made an
+#: immortal lease and ListLeases INTERNAL; a create_time of 1e300 made ListModels and
+#: Evict INTERNAL for everyone).
+MAX_ARENA_BYTES = 2**50
+MAX_LOAD_SECONDS = 10**7
+MAX_LEASE_TTL = 86_400.0
+MAX_PID = 2**22  # Linux's largest pid_max
+#: Seconds a create_time may lie ahead of this daemon's clock.
+CLOCK_SLACK = 86_400.0
+
+
+def _integer(value: object, field: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise HandOverRefusedError(f"{field} {value!r} is not an integer in [{low}, {high}]")
+    return value
+
+
+def _number(value: object, field: str, low: float, high: float) -> float:
+    number = (
+        float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    )
+    if number is None or not math.isfinite(number) or not low <= number <= high:
+        raise HandOverRefusedError(f"{field} {value!r} is not a number in [{low}, {high}]")
+    return number
+
+
+def _string(value: object, field: str) -> str:
+    if not isinstance(value, str) or len(value) > MAX_PATH_CHARS:
+        raise HandOverRefusedError(
+            f"{field} is not a string of at most {MAX_PATH_CHARS} characters"
+        )
+    return value
+
+
+def _identity(value: object, field: str) -> FileIdentity:
+    if not isinstance(value, dict) or set(value) != {f.name for f in fields(FileIdentity)}:
+        raise HandOverRefusedError(f"{field} is not a file identity")
+    return FileIdentity(**{k: _integer(v, f"{field}.{k}", 0, 2**64) for k, v in value.items()})
+
+
+def _lease(value: object, field: str) -> HeldLease:
+    if not isinstance(value, dict):
+        raise HandOverRefusedError(f"{field} is not a lease")
+    return HeldLease(
+        _string(value["lease_id"], f"{field}.lease_id"),
+        _number(value["ttl"], f"{field}.ttl", 0.0, MAX_LEASE_TTL),
+        _string(value["request_id"], f"{field}.request_id"),
+        _integer(value["pid"], f"{field}.pid", 0, MAX_PID),
+    )
+
+
 def _model_from_json(item: dict[str, Any]) -> HeldModel:
+    """One manifest entry, checked field by field (types, finite numbers in range).
+
+    Raises:
+        HandOverRefusedError: a field is out of range or of the wrong type.
+        KeyError, TypeError, ValueError, json_format.ParseError, WeightCacheError: a
+            field is missing, or a message does not parse.
+    """
     recipe = json_format.ParseDict(item["recipe"], pb.Recipe())
     placement = json_format.ParseDict(item["placement"], pb.Placement())
     fingerprint = json_format.ParseDict(item["fingerprint"], pb.Fingerprint())
+    files, leases = item["files"], item["leases"]
+    if not isinstance(files, dict) or not isinstance(leases, list) or len(leases) > MAX_LEASES:
+        raise HandOverRefusedError(f"files or leases malformed (at most {MAX_LEASES} leases)")
     return HeldModel(
-        name=str(item["name"]),
-        path=str(item["path"]),
-        segment=str(item["segment"]),
-        size=int(item["size"]),
-        files={str(k): FileIdentity(**v) for k, v in item["files"].items()},
+        name=_string(item["name"], "name"),
+        path=_string(item["path"], "path"),
+        segment=_string(item["segment"], "segment"),
+        size=_integer(item["size"], "size", 1, MAX_ARENA_BYTES),
+        files={_string(k, "files"): _identity(v, f"files[{k!r}]") for k, v in files.items()},
         recipe=recipe_from_pb(recipe),
         placement=placement_from_pb(placement),
         fingerprint=fingerprint_from_pb(fingerprint),
-        load_seconds=float(item["load_seconds"]),
-        create_time=float(item["create_time"]),
-        leases=tuple(
-            HeldLease(str(x["lease_id"]), float(x["ttl"]), str(x["request_id"]), int(x["pid"]))
-            for x in item["leases"]
-        ),
-        source=str(item.get("source", "checkpoint")),
+        load_seconds=_number(item["load_seconds"], "load_seconds", 0.0, MAX_LOAD_SECONDS),
+        create_time=_number(item["create_time"], "create_time", 0.0, time.time() + CLOCK_SLACK),
+        leases=tuple(_lease(x, f"leases[{i}]") for i, x in enumerate(leases)),
+        source=_string(item.get("source", "checkpoint"), "source"),
         files_confirmed=item.get("files_confirmed", True) is True,
     )

@@ -94,8 +94,6 @@ class Health:
         self._notified = False
         #: Names of the required models registered so far (see :meth:`require`).
         self._required: set[str] = set()
-        #: A required model could not even be registered (refused at admission).
-        self._refused = False
         self._started = False
         self._draining = False
         self._ready: bool | None = None
@@ -120,10 +118,6 @@ class Health:
         ``held`` holds (its load was refused as a duplicate): require ``held`` instead."""
         self._required.discard(name)
         self._required.add(held)
-
-    def refused(self) -> None:
-        """A required start-up model was refused before it became a model: never ready."""
-        self._refused = True
 
     async def bound(self) -> None:
         """The sockets are bound: alive, not ready, start-up not ended."""
@@ -153,10 +147,18 @@ class Health:
             await self._apply(self._is_ready())
 
     def _is_ready(self) -> bool:
-        if not self._started or self._draining or self._refused:
+        """Every required model READY; one refused or FAILED counts until it is loaded
+        again under its name (fixed), or evicted while FAILED (given up: issue 37, item 16,
+        where only a restart cleared it). A READY one evicted keeps readiness off."""
+        if not self._started or self._draining:
             return False
         states = {entry.name: entry.state for entry in self._store.entries()}
-        return all(states.get(name) == "ready" for name in self._required)
+        states.update(dict.fromkeys(self._store.refusals, "failed"))
+        return all(
+            states.get(name) == "ready"
+            for name in self._required
+            if name not in self._store.given_up
+        )
 
     async def _set_ready(self, ready: bool) -> None:
         async with self._lock:

@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from dataclasses import dataclass
 
 from weightcache.core.sockets import SEGMENT_PREFIX, SHM_DIR, tag_prefix
@@ -34,13 +35,81 @@ _NAME = re.compile(
 )
 
 
-def handover_name(tag: str) -> str:
+_HANDOVER_NAME = re.compile(
+    rf"^{re.escape(SEGMENT_PREFIX)}[0-9a-f]{{12}}-handover-(?P<at>[0-9]+)-[0-9a-f]{{32}}$"
+)
+
+#: Seconds a handed-over segment waits for a successor before ``weightcache gc`` takes it
+#: for an orphan (a restart, an image pull included, takes far less).
+HANDOVER_GRACE = 600
+
+
+def handover_name(tag: str, at: float | None = None) -> str:
     """The file name a segment takes while handed over to the next daemon on the socket of
-    ``tag`` (``weightcache-<tag>-handover-<32 hex>``): it names no owner, so that the
-    clean-up of dead daemons' segments (:func:`dead_segments`, ``weightcache gc``) spares it;
-    the next daemon on that socket adopts it or removes it
-    (:func:`weightcache_service.arena.remove_stale_segments`)."""
-    return f"{tag_prefix(tag)}handover-{secrets.token_hex(16)}"
+    ``tag`` (``weightcache-<tag>-handover-<unix seconds>-<32 hex>``): it names no owner, so
+    that the clean-up of dead daemons' segments spares it; the next daemon on that socket
+    adopts it or removes it (:func:`remove_stale_segments`), and ``weightcache gc`` removes
+    it once :data:`HANDOVER_GRACE` has passed since ``at`` (default: now) with no successor
+    (:func:`orphaned_handovers`)."""
+    when = int(time.time() if at is None else at)
+    return f"{tag_prefix(tag)}handover-{when}-{secrets.token_hex(16)}"
+
+
+@dataclass(frozen=True)
+class HandedOver:
+    """A segment handed over that no successor took.
+
+    Attributes:
+        path: its path under /dev/shm.
+        at: when it was handed over (unix seconds).
+        uid: the file's owner.
+        size: bytes.
+    """
+
+    path: str
+    at: int
+    uid: int
+    size: int
+
+
+def orphaned_handovers(
+    grace: float = HANDOVER_GRACE,
+    uid: int | None = None,
+    shm_dir: str = SHM_DIR,
+    skipped: list[Skipped] | None = None,
+) -> list[HandedOver]:
+    """Handed-over segments (:func:`handover_name`) that ``uid`` may remove (its own, or
+    any for root) and no successor adopted within ``grace`` seconds, sorted by path.
+
+    Raises:
+        OSError: ``shm_dir`` cannot be listed.
+    """
+    uid = os.geteuid() if uid is None else uid
+    owner = None if uid == 0 else uid
+    now = time.time()
+    found = []
+    for entry in os.scandir(shm_dir):
+        match = _HANDOVER_NAME.match(entry.name)
+        if match is None or now - int(match["at"]) < grace:
+            continue
+        info = inspect(entry.path, owner)
+        if info is None:
+            continue
+        if isinstance(info, Skipped):
+            if skipped is not None and info.owner is None:
+                skipped.append(info)
+            continue
+        found.append(HandedOver(entry.path, int(match["at"]), info.st_uid, info.st_size))
+    return sorted(found, key=lambda h: h.path)
+
+
+def remove_handed_over(segment: HandedOver) -> Skipped | None:
+    """Unlink a segment :func:`orphaned_handovers` found, if its name still leads to a
+    regular file of the same owner; None once removed (or gone), else why not."""
+    info = inspect(segment.path, segment.uid)
+    if info is None or isinstance(info, Skipped):
+        return info
+    return unlink_checked(segment.path, info)
 
 
 def process_start_time(pid: int) -> int | None:

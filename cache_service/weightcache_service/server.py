@@ -265,6 +265,8 @@ class Daemon:
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._drain_deadline: float | None = None
+        #: Names of the models adopted from a predecessor's hand-over.
+        self._adopted: set[str] = set()
         #: (st_dev, st_ino) of the socket this daemon bound.
         self._socket_id: tuple[int, int] | None = None
         #: (soft, hard) RLIMIT_NOFILE after raise_fd_limit, for the "started" line.
@@ -369,11 +371,14 @@ class Daemon:
         manifest entry, segment and checkpoint check out, with its leases; what does not is
         logged and left to :meth:`_clean_after_predecessor`, which removes it."""
         path = manifest_path(socket)
+        refused: list[str] = []
         try:
-            held = read_manifest(path)
+            held = read_manifest(path, refused)
         except HandOverRefusedError as exc:
             log.error("hand-over refused: adopting nothing", manifest=path, why=str(exc))
             return
+        for why in refused:
+            log.error("hand-over: model not adopted", manifest=path, why=why)
         if held is None:
             return
         access = self.config.access
@@ -392,6 +397,7 @@ class Daemon:
             except (HandOverRefusedError, WeightCacheError, OSError) as exc:
                 log.error("hand-over: model not adopted", model=model.name, why=str(exc))
                 continue
+            self._adopted.add(entry.name)
             log.info(
                 "adopted",
                 model=entry.name,
@@ -413,16 +419,22 @@ class Daemon:
         self.notifier.send("STOPPING=1", "STATUS=handing over")
         await self.health.draining()
         held = []
+        originals = []
         for model in self.cache.handed_over():
             # Renamed to a name no clean-up of dead daemons' segments removes.
             renamed = os.path.join(SHM_DIR, handover_name(self._tag))
             os.rename(model.segment, renamed)
             held.append(dataclasses.replace(model, segment=renamed))
+            originals.append(model.segment)
         path = manifest_path(self.config.socket)
         try:
             await asyncio.to_thread(write_manifest, path, self.instance_id, held)
         except OSError as exc:
             log.error("cannot write the hand-over manifest: draining", why=str(exc))
+            # Back to their own names, so that the drain frees them (issue 37, item 7:
+            # they stayed in /dev/shm under hand-over names nobody would adopt).
+            for model, original in zip(held, originals, strict=True):
+                os.rename(model.segment, original)
             await self._drain()
             return
         for model in held:
@@ -656,27 +668,36 @@ class Daemon:
                     self.health.require(entry.name)
                     required.append(entry)
             except ModelExistsError as err:
-                log.warning("already held", path=spec.path, error=err.detail)
+                if err.metadata.get("model") in self._adopted:
+                    # The usual restart: the predecessor handed it over (issue 37, item 18:
+                    # this was a warning at every such restart).
+                    log.info("already held: adopted", path=spec.path, model=err.metadata["model"])
+                else:
+                    log.warning("already held", path=spec.path, error=err.detail)
                 if spec.required and "model" in err.metadata:
                     self.health.require(err.metadata["model"])
             except Exception as err:
-                # Never let one model stop the others or leave health NOT_SERVING forever.
-                if spec.required:
-                    self.health.refused()
+                # Never let one model stop the others or leave health NOT_SERVING forever:
+                # it is required under its FAILED name, until loaded again or evicted.
                 if isinstance(err, WeightCacheError):
                     log.error("cannot preload", path=spec.path, reason=err.reason, error=err.detail)
                 else:
                     log.exception("cannot preload", path=spec.path, error=repr(err))
                 # A model refused for lack of memory stays listed (FAILED): counted below.
                 if not isinstance(err, ResourceExhaustedError):
-                    self.cache.refuse(
+                    refused: str | None = self.cache.refuse(
                         spec.path,
                         spec.recipe,
                         spec.placement,
                         spec.fingerprint_level,
                         err,
                         name=spec.name,
-                    )
+                    ).name
+                else:
+                    refused = self._failed_name(spec.path)
+                if spec.required:
+                    # A name no model takes, if none was kept: never ready, as before.
+                    self.health.require(refused or f"{spec.path} (refused)")
         self.cache.starting = False
         await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
         for entry in required:
@@ -697,6 +718,13 @@ class Daemon:
             failed=failed,
             bytes=self.store.held_bytes(),
         )
+
+    def _failed_name(self, path: str) -> str | None:
+        """The name of the FAILED model a start-up preload of ``path`` left (refused for
+        lack of memory), if any."""
+        real = Path(os.path.realpath(path))
+        names = [e.name for e in self.store.entries() if e.state == "failed"]
+        return next((n for n in names if self.store.get(n).checkpoint.root == real), None)
 
     def _not_ready_status(self) -> str:
         """systemd's STATUS= once start-up ended without readiness: the models that are not

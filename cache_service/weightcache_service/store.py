@@ -189,6 +189,9 @@ class Store:
         self._entries: dict[str, Entry] = {}
         #: Start-up models refused before they held anything, by name (listed FAILED).
         self.refusals: dict[str, Refusal] = {}
+        #: Names of FAILED models evicted since (readiness no longer requires them), until
+        #: a model takes the name again.
+        self.given_up: set[str] = set()
         # Taken by a load thread to compare its completed fingerprint and turn READY.
         self._settling = threading.Lock()
 
@@ -244,6 +247,11 @@ class Store:
         """
         files = checkpoint.file_identities()
         for entry in list(self._entries.values()):
+            if entry.state == "failed" and _same_request(entry, checkpoint, recipe, placement):
+                # A retry replaces a failed load (the files may have been fixed since), and
+                # takes its name: readiness requires that name (health.Readiness).
+                del self._entries[entry.name]
+                continue
             if not _same_model(entry, fp, files):
                 continue
             if entry.state == "failed":
@@ -254,6 +262,7 @@ class Store:
                     metadata={"model": entry.name},
                 )
         self.drop_refusals(str(checkpoint.root))
+        self._forget_failed(MAX_FAILED - 1)
         unique = self._unique_name(str(checkpoint.root), recipe, placement, name)
         entry = Entry(unique, checkpoint, recipe, placement, pipeline, fp)
         _plan(entry)
@@ -269,6 +278,7 @@ class Store:
                 self._entries[entry.name] = entry
                 raise
         self._entries[entry.name] = entry
+        self.given_up.discard(entry.name)
         return entry
 
     def adopt(  # noqa: PLR0917 (each argument is one part of the entry)
@@ -336,7 +346,17 @@ class Store:
         unique = self._unique_name(path.rstrip("/"), recipe, placement, name)
         refusal = Refusal(unique, path, recipe, placement, level, failure)
         self.refusals[unique] = refusal
+        self.given_up.discard(unique)
         return refusal
+
+    def _forget_failed(self, keep: int) -> None:
+        """Forget the oldest FAILED models beyond ``keep`` (:data:`MAX_FAILED`)."""
+        failed = sorted(
+            (e for e in self._entries.values() if e.state == "failed"),
+            key=lambda e: e.create_time,
+        )
+        for entry in failed[: max(0, len(failed) - keep)]:
+            self.remove(entry.name)
 
     def drop_refusals(self, root: str) -> None:
         """Forget the refusals of the checkpoint folder ``root`` (it is being loaded)."""
@@ -645,6 +665,12 @@ class Store:
             entry.arena = None
 
 
+#: FAILED models kept (listed by ``ls``, ``health`` and the metrics, each with its
+#: labelled series); when a new model is added, the oldest FAILED ones beyond are
+#: forgotten, so that Preloads failing again and again grow neither ListModels nor
+#: ``/metrics`` without end (issue 37, item 10). Loads still in flight may fail on top.
+MAX_FAILED = 32
+
 #: Characters of a request string echoed in an error: the status message and ErrorInfo
 #: travel in trailers, which gRPC limits to 8-16 KiB in all.
 ECHO_CHARS = 200
@@ -676,6 +702,17 @@ def _fail(entry: Entry, error: WeightCacheError) -> None:
 def _unstamped(entry: Entry) -> list[FileIdentity]:
     """The files of ``entry`` on file systems that do not stamp every write (tmpfs)."""
     return [i for i in entry.checkpoint.file_identities().values() if not stamps_every_write(i.dev)]
+
+
+def _same_request(
+    entry: Entry, checkpoint: Checkpoint, recipe: Recipe, placement: Placement
+) -> bool:
+    """Whether ``entry`` was asked for with the same folder, recipe and placement."""
+    return (entry.checkpoint.root, entry.recipe, entry.placement) == (
+        checkpoint.root,
+        recipe,
+        placement,
+    )
 
 
 def _same_model(entry: Entry, fp: Fingerprint, files: dict[str, FileIdentity]) -> bool:

@@ -15,6 +15,10 @@ import typing as _typing
 # never forks, turns it off in weightcache_service/__init__.py first.
 _os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "1")
 
+# Registers the SDK's at-fork handlers now, before grpc (imported later) registers its
+# own: in a child, ours must run first (weightcache.core.forking.abandon_channels).
+import weightcache.core.forking as _forking  # noqa: F401
+
 if _typing.TYPE_CHECKING:
     from weightcache._lease import EXIT_LEASE_LOST, ClientLease
     from weightcache._loader import FallbackReason, LoadedWeights, load, load_from_disk

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from weightcache.core import hub
 from weightcache.core.dtypes import SUB_BYTE, TORCH_DTYPES, itemsize
 from weightcache.core.errors import (
     InvalidCheckpointError,
@@ -233,11 +234,13 @@ def hub_snapshot(cache_root: str | os.PathLike[str], repo_id: str, revision: str
     layout ``huggingface_hub`` writes; see its cache-system documentation).
 
     Raises:
-        InvalidCheckpointError: the repository or revision is not in the cache.
+        InvalidCheckpointError: the repository or revision is not in the cache, or its
+            ``refs/`` file is not a small regular file (:func:`weightcache.core.hub.read_ref`).
+        InvalidArgumentError: the revision is malformed (``hub.check_revision``).
     """
     repo = Path(cache_root) / ("models--" + repo_id.replace("/", "--"))
-    ref = repo / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
+    hub.check_revision(revision)
+    commit = hub.read_ref(repo, revision) or revision
     snapshot = repo / "snapshots" / commit
     if "/" in commit or not snapshot.is_dir():
         raise InvalidCheckpointError(f"{repo_id}@{revision} is not in the hub cache {cache_root}")
@@ -375,9 +378,34 @@ def _open_folder(
     for name in names:
         fd = _open_file(folder, root, name, check_file, missing_ok=weight_map is None)
         if fd is None:
-            raise InvalidCheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+            raise InvalidCheckpointError(
+                f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found{_pickled_hint(folder)}"
+            )
         files[name] = fd
     return _assemble(root, files, weight_map=weight_map, index=index_identity, opened_ns=opened_ns)
+
+
+#: File name endings of PyTorch's pickled weights, which are never read here (unpickling
+#: runs code).
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def _pickled_hint(folder: int) -> str:
+    """``; it holds pickled weights (NAMES), ...`` when the folder holds files of
+    :data:`PICKLED_SUFFIXES` (at most 5 named), else ``""`` (issue 37, item 18: the
+    error did not say why a folder of ``.bin`` files was refused)."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(PICKLED_SUFFIXES))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"; it holds pickled PyTorch weights ({shown}), which are not read (unpickling runs "
+        "code): save them as safetensors first (transformers: "
+        "save_pretrained(..., safe_serialization=True))"
+    )
 
 
 def _open(path: str, folder: int | None, shown: str) -> int:

@@ -8,14 +8,35 @@ found through ``huggingface_hub``'s own cache API (``snapshot_download`` with
 A model loaded from a repo id is named after it (:attr:`HubModel.name`): ``org/name``, or
 ``org/name@REVISION`` when a revision was asked for, not after the snapshot's 40-hex
 commit folder.
+
+A revision is checked before any file is opened (:func:`check_revision`: a commit hash,
+or a ref name by git's ``check-ref-format`` rules, so ``..`` and the like never reach a
+path), and a branch or tag is resolved to its commit here (:func:`_ref_commit`): the
+``refs/`` file is opened without following a symlink or blocking on a FIFO, must be a
+regular file of at most :data:`MAX_REF_BYTES` bytes, and must hold a commit hash.
+``huggingface_hub`` reads that file whole, through symlinks (issue 37, item 2), so it is
+only ever given the commit.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import stat
 from dataclasses import dataclass
 
-from weightcache.core.errors import InvalidCheckpointError
+from weightcache.core.errors import InvalidArgumentError, InvalidCheckpointError
+
+#: A full commit hash (``huggingface_hub``'s ``REGEX_COMMIT_HASH``).
+COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+
+#: Largest ``refs/`` file read: one commit hash and a newline.
+MAX_REF_BYTES = 64
+
+# git check-ref-format(1), rules 3-10: "..", control characters, space, ~ ^ : ? * [ \,
+# "@{", a leading or trailing "/", "//", a trailing ".".
+_BAD_REF = re.compile(r"\.\.|[\x00-\x20\x7f~^:?*\[\\]|@\{|^/|/$|//|\.$")
 
 
 @dataclass(frozen=True)
@@ -47,6 +68,76 @@ def split_revision(text: str) -> tuple[str, str | None]:
     return repo_id, (revision or None) if sep else None
 
 
+def check_revision(revision: str) -> None:
+    """Refuse a revision that is neither a commit hash nor a ref name git would accept.
+
+    Rules from git's ``check-ref-format`` (one-level names allowed, as ``main``): no
+    component starts with ``.`` or ends with ``.lock``; no ``..``, ``@{``, ``//``, control
+    character, space, ``~ ^ : ? * [ \\``; not ``@``; no leading or trailing ``/``, no
+    trailing ``.``.
+
+    Raises:
+        InvalidArgumentError: the revision breaks one of those rules (``field=revision``).
+    """
+    if COMMIT_HASH.fullmatch(revision):
+        return
+    parts = revision.split("/")
+    if (
+        not revision
+        or revision == "@"
+        or _BAD_REF.search(revision)
+        or any(part.startswith(".") or part.endswith(".lock") for part in parts)
+    ):
+        raise InvalidArgumentError(
+            f"revision {revision[:200]!r} is neither a commit hash nor a valid ref name "
+            "(git check-ref-format)",
+            metadata={"field": "revision"},
+        )
+
+
+def read_ref(repo_folder: str | os.PathLike[str], revision: str) -> str | None:
+    """The commit a branch or tag names in a Hub cache repo folder (``models--ORG--NAME``),
+    or None when it has no such ref. The ``refs/`` file is opened with ``O_NOFOLLOW |
+    O_NONBLOCK`` (a symlink or a FIFO planted there neither redirects nor blocks the read)
+    and read only when regular and at most :data:`MAX_REF_BYTES` bytes. Check the
+    revision first (:func:`check_revision`).
+
+    Raises:
+        InvalidCheckpointError: the ref file is not a regular file, is too large, or does
+            not hold a commit hash.
+    """
+    path = os.path.join(repo_folder, "refs", revision)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise InvalidCheckpointError(f"{path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_REF_BYTES:
+            raise InvalidCheckpointError(
+                f"{path}: not a regular file of at most {MAX_REF_BYTES} bytes"
+            )
+        text = os.read(fd, MAX_REF_BYTES + 1).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    if not COMMIT_HASH.fullmatch(text):
+        raise InvalidCheckpointError(f"{path}: does not hold a commit hash")
+    return text
+
+
+def _ref_commit(repo_id: str, revision: str) -> str | None:
+    """:func:`read_ref` in the local Hub cache (``huggingface_hub``'s own constant and
+    folder naming)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = repo_folder_name(repo_id=repo_id, repo_type="model")
+    return read_ref(os.path.join(constants.HF_HUB_CACHE, folder), revision)
+
+
 def find(text: str, revision: str | None = None) -> HubModel | None:
     """The cached snapshot ``text`` names, or None when ``text`` is an existing path.
 
@@ -56,7 +147,9 @@ def find(text: str, revision: str | None = None) -> HubModel | None:
 
     Raises:
         InvalidCheckpointError: ``text`` is neither an existing path nor a repo id whose
-            revision is in the local Hub cache (the message says which was tried).
+            revision is in the local Hub cache (the message says which was tried), or
+            the revision's ``refs/`` file is not a small regular file holding a commit.
+        InvalidArgumentError: the revision is malformed (:func:`check_revision`).
     """
     if os.path.exists(text):
         return None
@@ -66,16 +159,30 @@ def find(text: str, revision: str | None = None) -> HubModel | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    # Public (its documentation's "Validators"), exported lazily, which mypy cannot see.
+    from huggingface_hub.utils import validate_repo_id  # type: ignore[attr-defined]
+
+    absent = InvalidCheckpointError(
+        f"{text}: no such file or folder, nor a Hub repo with revision "
+        f"{revision or 'main'} in the local Hub cache (download it first, e.g. "
+        "`hf download`)"
+    )
     try:
-        path: str = snapshot_download(repo_id, revision=revision, local_files_only=True)
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise InvalidCheckpointError(f"{text}: no such file or folder") from None
+    wanted = revision or "main"
+    check_revision(wanted)
+    commit = wanted if COMMIT_HASH.fullmatch(wanted) else _ref_commit(repo_id, wanted)
+    if commit is None:
+        raise absent
+    try:
+        # Given the commit only: huggingface_hub would read refs/<revision> unbounded.
+        path: str = snapshot_download(repo_id, revision=commit, local_files_only=True)
     except HFValidationError:
         raise InvalidCheckpointError(f"{text}: no such file or folder") from None
     except LocalEntryNotFoundError:
-        raise InvalidCheckpointError(
-            f"{text}: no such file or folder, nor a Hub repo with revision "
-            f"{revision or 'main'} in the local Hub cache (download it first, e.g. "
-            "`hf download`)"
-        ) from None
+        raise absent from None
     return HubModel(path, repo_id, revision, os.path.basename(path))
 
 
@@ -100,7 +207,7 @@ def resolve_or_keep(text: str) -> tuple[str, str | None, str | None]:
     """
     try:
         found = find(text)
-    except InvalidCheckpointError as err:
+    except (InvalidCheckpointError, InvalidArgumentError) as err:
         return text, None, err.detail
     if found is None:
         return text, None, None

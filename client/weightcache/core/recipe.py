@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any
 
 import torch
 
+from weightcache.core import sidefiles
 from weightcache.core.checkpoint import Checkpoint
 from weightcache.core.dtypes import CASTABLE, TORCH_DTYPES
 from weightcache.core.errors import RecipeError
@@ -229,34 +228,19 @@ class Pipeline:
         )
 
 
-#: Largest ``config.json`` read for its head counts (transformers' largest are tens of KB).
-MAX_CONFIG_BYTES = 2**20
-
-
 def _config(root: Path) -> dict[str, Any]:
-    """The checkpoint's transformers ``config.json``, or ``{}`` when it has none, or not a
-    regular file, or not a JSON object (the plan given is then all there is to check).
+    """The checkpoint's transformers ``config.json``, or ``{}`` when it has none, or not
+    JSON, or not a JSON object (the plan given is then all there is to check).
 
     Raises:
-        RecipeError: it is over :data:`MAX_CONFIG_BYTES`.
+        InvalidCheckpointError: it is not a small regular file inside the checkpoint
+            (:func:`weightcache.core.sidefiles.read_bytes`).
     """
-    path = Path(root) / "config.json"
+    raw = sidefiles.read_bytes(root, "config.json")
     try:
-        # O_NONBLOCK: a FIFO planted under that name must not block the loading thread.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        config = json.loads(raw) if raw is not None else {}
+    except ValueError:
         return {}
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return {}
-        if info.st_size > MAX_CONFIG_BYTES:
-            raise RecipeError(f"{path}: over {MAX_CONFIG_BYTES} bytes")
-        config = json.loads(os.read(fd, MAX_CONFIG_BYTES + 1))
-    except (OSError, ValueError):
-        return {}
-    finally:
-        os.close(fd)
     return config if isinstance(config, dict) else {}
 
 

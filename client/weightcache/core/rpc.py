@@ -54,10 +54,10 @@ def connect(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
     except PermissionError as exc:
         raise DaemonUnavailableError(socket_denied(socket, exc.strerror)) from None
     with calling():
-        opened_channel()
         channel = grpc.insecure_channel(
             target(socket), options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
         )
+        opened_channel(channel)
     return channel, pb_grpc.WeightCacheServiceStub(channel)
 
 

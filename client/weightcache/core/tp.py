@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weightcache.core import sidefiles
 from weightcache.core.errors import RecipeError
 from weightcache.core.pipeline import Node, TensorSpec
 
@@ -171,11 +172,15 @@ class TPPlan:
         Raises:
             RecipeError: no ``config.json`` with a ``model_type``; transformers is not
                 installed or does not know the type; the class has no plan.
+            InvalidCheckpointError: ``config.json`` is not a small regular file inside
+                the checkpoint (:func:`weightcache.core.sidefiles.read_bytes`).
         """
+        raw = sidefiles.read_bytes(checkpoint_root, "config.json")
         try:
-            config = json.loads((Path(checkpoint_root) / "config.json").read_text())
-            model_type = config["model_type"]
-        except (OSError, ValueError, KeyError, TypeError):
+            model_type = json.loads(raw)["model_type"] if raw is not None else None
+        except (ValueError, KeyError, TypeError):
+            model_type = None
+        if not isinstance(model_type, str):
             raise RecipeError(
                 f"{checkpoint_root}: no config.json with a model_type; give a tensor-parallel "
                 "plan (--tp-plan FILE, or Recipe(tp_plan=...))"

@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from weightcache.core import sidefiles
 from weightcache.core.checkpoint import Checkpoint, open_checkpoint
 from weightcache.core.errors import RecipeError
 from weightcache.core.pipeline import CheckpointReader, Node, TensorSpec
@@ -255,11 +256,15 @@ def read_config(root: Path) -> tuple[dict[str, Any], str]:
 
     Raises:
         RecipeError: no readable JSON object there.
+        InvalidCheckpointError: it is not a small regular file inside the checkpoint
+            (:func:`weightcache.core.sidefiles.read_bytes`).
     """
+    raw = sidefiles.read_bytes(root, "config.json")
+    if raw is None:
+        raise RecipeError(f"recipe vllm: {root / 'config.json'}: no such file")
     try:
-        raw = (root / "config.json").read_bytes()
         config = json.loads(raw)
-    except (OSError, ValueError) as err:
+    except ValueError as err:
         raise RecipeError(f"recipe vllm: {root / 'config.json'}: {err}") from None
     if not isinstance(config, dict):
         raise RecipeError(f"recipe vllm: {root / 'config.json'} is not a JSON object")
