@@ -175,6 +175,12 @@ def _negative_size(path: Path, segment: str) -> None:
     _edit_model(path, size=-1)
 
 
+def _bad_lease_worker(path: Path, segment: str) -> None:
+    worker = {"pid": -1, "hostname": "", "label": "", "pid_namespace": 0, "mode": ""}
+    lease = {"lease_id": "a" * 32, "ttl": 10.0, "request_id": "", "pid": 1, "worker": worker}
+    _edit_model(path, leases=[lease])
+
+
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 
 REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
@@ -185,6 +191,7 @@ REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
     (_nan_lease_ttl, "model 0: leases[0].ttl nan is not a number in [0.0, 86400.0]"),
     (_far_create_time, "model 0: create_time 1e+300 is not a number in [0.0, "),
     (_negative_size, "model 0: size -1 is not an integer in [1, 1125899906842624]"),
+    (_bad_lease_worker, "model 0: leases[0].worker.pid -1 is not an integer in [0, 4194304]"),
 ]
 
 
@@ -196,7 +203,7 @@ REFUSALS: list[tuple[Callable[[Path, str], None], str]] = [
         pytest.param(_manifest_foreign, "belongs to uid 65534", marks=ROOT_ONLY),
     ],
     ids=[
-        *("garbage", "mode", "format", "resized", "nan-ttl", "create-time", "size"),
+        *("garbage", "mode", "format", "resized", "nan-ttl", "create-time", "size", "worker"),
         *("segment-owner", "manifest-owner"),
     ],
 )
@@ -275,3 +282,62 @@ def test_a_hand_over_nobody_takes_is_removed_by_gc_and_a_failed_one_frees_its_ar
     assert result["full_stopped"] == 0
     assert "cannot write the hand-over manifest: draining" in result["full_log"]
     assert result["full_after"] == [], result["full_log"]
+
+
+def _holders(socket: str) -> list[pb.LeaseHolder]:
+    with service_stub(socket) as stub:
+        reply = stub.ListLeases(pb.ListLeasesRequest(), timeout=10)
+    return sorted(reply.leases, key=lambda h: h.lease.lease_id)
+
+
+def _shown(holder: pb.LeaseHolder) -> tuple[object, ...]:
+    """What ``weightcache leases`` shows of a lease that a restart must not change."""
+    return (
+        holder.lease.lease_id,
+        holder.lease.model,
+        holder.lease.ttl.ToNanoseconds(),
+        holder.state,
+        holder.worker,
+        holder.HasField("peer") and (holder.peer.pid, holder.peer.uid),
+    )
+
+
+def test_a_hand_over_keeps_each_leases_create_time_worker_and_peer(
+    daemons: DaemonPool, children: Children, checkpoints: Checkpoints
+) -> None:
+    # Before (issue 37, item 15): after the restart ListLeases gave each adopted lease the
+    # create time 0 on the monotonic clock (AGE = host uptime), worker pid 0, no hostname
+    # or mode, and no peer credentials.
+    expected = tensor_digest(checkpoints.tensors)
+    old = start_ready(daemons, [checkpoints.single], args=["--hand-over"])
+    kids = children.start(2)
+    granted = [attach(kid, checkpoints.single, expected, old.socket) for kid in kids]
+    before = _holders(old.socket)
+    assert sorted(h.worker.pid for h in before) == sorted(kid.pid for kid in kids)
+    assert all(h.HasField("peer") and h.worker.mode for h in before), before
+    hand_over(old)
+
+    new = start_ready(daemons, [checkpoints.single], socket=old.socket)
+    adopted = _holders(new.socket)  # before the workers reconnect: no peer yet
+    assert [h.worker for h in adopted] == [h.worker for h in before]
+    assert list_models(new.socket)["single"].lease_count == len(adopted) == 2
+    for kid, reply in zip(kids, granted, strict=True):
+        by = str(reply["lease"]["instance_id"])  # type: ignore[index]
+
+        def renewed(k: Child = kid, g: str = by) -> bool:
+            return bool(k.request("lease", key="w")["instance_id"] != g)
+
+        wait_until(renewed, TTL)
+    after = _holders(new.socket)
+
+    assert [_shown(h) for h in after] == [_shown(h) for h in before]
+    for old_holder, new_holder in zip(before, after, strict=True):
+        # The same instant, through two clock conversions (microseconds apart).
+        created = old_holder.create_time.ToNanoseconds(), new_holder.create_time.ToNanoseconds()
+        assert abs(created[0] - created[1]) < 50_000_000, (old_holder, new_holder)
+    assert [h.state for h in after] == [pb.LEASE_STATE_ACTIVE] * 2
+    assert list_models(new.socket)["single"].lease_count == len(after) == 2
+    for kid in kids:
+        assert kid.request("close", key="w") == {"reply": "close", "ok": True}
+    wait_until(lambda: _holders(new.socket) == [], 10.0)
+    assert list_models(new.socket)["single"].lease_count == 0

@@ -528,6 +528,26 @@ def test_metrics_ignore_a_multiprocess_dir_and_listen_on_both_stacks(
     assert (ignored["variable"], ignored["value"]) == ("PROMETHEUS_MULTIPROC_DIR", str(other_app))
 
 
+def test_metrics_on_0_0_0_0_listen_on_both_stacks_as_health_does(
+    daemons: DaemonPool,
+) -> None:
+    """Before (issue 37, item 13): ``--metrics-listen 0.0.0.0:P`` served IPv4 only, while
+    ``--health-listen 0.0.0.0:P`` (gRPC) serves both families."""
+    listen = ["--metrics-listen", "0.0.0.0:0", "--health-listen", "0.0.0.0:0"]
+    daemon = daemons.start(args=listen)
+    port, health_port = daemon.bound_port("metrics"), daemon.bound_port("health")
+
+    for host in ("127.0.0.1", "[::1]"):
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert [s.value for s in families["weightcache_leases_active"].samples] == [0.0]
+        with grpc.insecure_channel(f"{host}:{health_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            status = stub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=10)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_a_missing_multiprocess_dir_does_not_break_the_metrics(
     daemons: DaemonPool, tmp_path: Path
 ) -> None:

@@ -390,7 +390,14 @@ class WeightCache:
             if entry.state != "ready" or not isinstance(entry.handle, SharedMemoryHandle):
                 continue
             leases = tuple(
-                HeldLease(x.lease_id, x.ttl, x.request_id, x.pid)
+                HeldLease(
+                    x.lease_id,
+                    x.ttl,
+                    x.request_id,
+                    x.pid,
+                    create_time=self._wall(x.granted_at),
+                    worker=x.worker,
+                )
                 for x in self.leases.for_model(entry.name)
                 if not x.peer  # a transfer lease is bound to this daemon's seeding peer
             )
@@ -461,8 +468,17 @@ class WeightCache:
         finally:
             checkpoint.close()
         entry.create_time = held.create_time
+        now = time.time()
         for lease in held.leases:
-            self.leases.restore(lease.lease_id, entry.name, lease.ttl, lease.request_id, lease.pid)
+            self.leases.restore(
+                lease.lease_id,
+                entry.name,
+                lease.ttl,
+                lease.request_id,
+                lease.pid,
+                age=0.0 if lease.create_time is None else now - lease.create_time,
+                worker=lease.worker,
+            )
         return entry
 
     @staticmethod

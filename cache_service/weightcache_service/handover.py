@@ -3,7 +3,8 @@
 A daemon told to hand over (SIGUSR2, or SIGTERM with ``--hand-over``) leaves its READY
 shared-memory arenas in ``/dev/shm`` and writes ``<socket>.handover.json`` beside its
 socket: for each model its segment, size, checkpoint path and files (identities), recipe,
-placement, fingerprint and live leases. The next daemon on the same socket reads it once
+placement, fingerprint and live leases (each with its create time and its worker's
+description). The next daemon on the same socket reads it once
 (and removes it), and adopts each model that checks out (:func:`read_manifest`,
 :func:`check_segment`; the store rebuilds the layout from the checkpoint's headers and
 compares it), without reading the tensors again; what does not check out is removed with
@@ -46,6 +47,7 @@ from weightcache.core.protocol import (
     recipe_pb,
 )
 from weightcache.core.recipe import Placement, Recipe
+from weightcache.core.records import WorkerDescription
 from weightcache.core.sockets import SHM_DIR, tag_prefix
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache_service.leases import MAX_LEASES
@@ -62,12 +64,17 @@ class HandOverRefusedError(Exception):
 
 @dataclass(frozen=True)
 class HeldLease:
-    """A live lease handed over: its id, TTL (s), request id and the worker's pid."""
+    """A live lease handed over: its id, TTL (s), request id and the worker's pid; when
+    it was granted (``create_time``, epoch seconds; None in a manifest written before
+    the field) and the worker's description of itself, so that ListLeases shows the
+    same after the hand-over as before (issue 37, item 15)."""
 
     lease_id: str
     ttl: float
     request_id: str
     pid: int
+    create_time: float | None = None
+    worker: WorkerDescription | None = None
 
 
 @dataclass(frozen=True)
@@ -246,7 +253,7 @@ def _model_json(model: HeldModel) -> dict[str, Any]:
         "fingerprint": json_format.MessageToDict(fingerprint_pb(model.fingerprint)),
         "load_seconds": model.load_seconds,
         "create_time": model.create_time,
-        "leases": [asdict(lease) for lease in model.leases],
+        "leases": [_lease_json(lease) for lease in model.leases],
         "source": model.source,
         "files_confirmed": model.files_confirmed,
     }
@@ -292,14 +299,36 @@ def _identity(value: object, field: str) -> FileIdentity:
     return FileIdentity(**{k: _integer(v, f"{field}.{k}", 0, 2**64) for k, v in value.items()})
 
 
+def _lease_json(lease: HeldLease) -> dict[str, Any]:
+    return {k: v for k, v in asdict(lease).items() if v is not None}
+
+
+def _worker(value: object, field: str) -> WorkerDescription:
+    if not isinstance(value, dict) or set(value) != {f.name for f in fields(WorkerDescription)}:
+        raise HandOverRefusedError(f"{field} is not a worker description")
+    return WorkerDescription(
+        pid=_integer(value["pid"], f"{field}.pid", 0, MAX_PID),
+        hostname=_string(value["hostname"], f"{field}.hostname"),
+        label=_string(value["label"], f"{field}.label"),
+        pid_namespace=_integer(value["pid_namespace"], f"{field}.pid_namespace", 0, 2**64),
+        mode=_string(value["mode"], f"{field}.mode"),
+    )
+
+
 def _lease(value: object, field: str) -> HeldLease:
     if not isinstance(value, dict):
         raise HandOverRefusedError(f"{field} is not a lease")
+    created, worker = value.get("create_time"), value.get("worker")
     return HeldLease(
         _string(value["lease_id"], f"{field}.lease_id"),
         _number(value["ttl"], f"{field}.ttl", 0.0, MAX_LEASE_TTL),
         _string(value["request_id"], f"{field}.request_id"),
         _integer(value["pid"], f"{field}.pid", 0, MAX_PID),
+        # Both absent from a manifest written before issue 37, item 15.
+        None
+        if created is None
+        else _number(created, f"{field}.create_time", 0.0, time.time() + CLOCK_SLACK),
+        None if worker is None else _worker(worker, f"{field}.worker"),
     )
 
 

@@ -186,12 +186,31 @@ class LeaseTable:
         lease = self._live(lease_id)
         return lease if lease is not None and peer and lease.peer == peer else None
 
-    def restore(self, lease_id: str, model: str, ttl: float, request_id: str, pid: int) -> Lease:
+    def restore(
+        self,
+        lease_id: str,
+        model: str,
+        ttl: float,
+        request_id: str,
+        pid: int,
+        *,
+        age: float = 0.0,
+        worker: WorkerDescription | None = None,
+    ) -> Lease:
         """Take over a lease a predecessor handed over, under the same id: live for a full
         TTL from now (its holder renews it once its KeepAlive stream reconnects), bound to
-        no stream yet."""
+        no stream yet; granted ``age`` seconds ago (>= 0), to ``worker`` as it described
+        itself to the predecessor."""
+        now = self.clock()
         lease = Lease(
-            lease_id, model, self.clamp(ttl), self.clock() + self.clamp(ttl), request_id, pid
+            lease_id,
+            model,
+            self.clamp(ttl),
+            now + self.clamp(ttl),
+            request_id,
+            pid,
+            granted_at=now - max(age, 0.0),
+            worker=worker or WorkerDescription(pid=pid),
         )
         self._leases[lease_id] = lease
         if request_id:

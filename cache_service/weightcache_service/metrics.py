@@ -48,6 +48,7 @@ for a model loaded from one). A model evicted leaves the exposition.
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import socket
 import socketserver
@@ -339,6 +340,13 @@ class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
     max_connections = MAX_TCP_CONNECTIONS
 
+    def server_bind(self) -> None:
+        # An IPv6 wildcard serves IPv4 too (IPv4-mapped), whatever the host's
+        # net.ipv6.bindv6only says: as gRPC's listeners do.
+        if self.address_family == socket.AF_INET6:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
     def server_activate(self) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
         super().server_activate()
@@ -390,19 +398,7 @@ class MetricsListener:
 
         Server.max_connections = max_connections
         try:
-            # As prometheus-client's start_http_server: the family of the address
-            # ("::" serves IPv6 and IPv4).
-            family, _, _, _, sockaddr = socket.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-            Server.address_family = family
-            self._server = make_server(
-                str(sockaddr[0]),
-                port,
-                make_wsgi_app(metrics.registry),
-                Server,
-                handler_class=_QuietHandler,
-            )
+            self._server = self._bind(host, port, metrics, Server)
         except OSError as exc:
             raise AccessError(f"--metrics-listen {self.address}: cannot bind: {exc}") from None
         self._thread = threading.Thread(
@@ -412,6 +408,35 @@ class MetricsListener:
         bound = int(self._server.server_port)
         log.info("metrics listening", address=self.address, port=bound)
         return bound
+
+    @staticmethod
+    def _bind(host: str, port: int, metrics: Metrics, server: type[WSGIServer]) -> WSGIServer:
+        """The server bound to ``host``'s address family, as prometheus-client's
+        start_http_server does, except that ``0.0.0.0`` and ``::`` both mean every
+        interface of both families (IPv6, and IPv4 as IPv4-mapped addresses), as they do for gRPC's
+        ``--listen`` and ``--health-listen``; ``0.0.0.0`` binds IPv4 only on a host without
+        IPv6.
+
+        Raises:
+            OSError: it cannot be bound.
+        """
+        if host == "0.0.0.0" and socket.has_ipv6:
+            try:
+                return MetricsListener._bind("::", port, metrics, server)
+            except OSError as exc:
+                if exc.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                    raise
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        server.address_family = family
+        return make_server(
+            str(sockaddr[0]),
+            port,
+            make_wsgi_app(metrics.registry),
+            server,
+            handler_class=_QuietHandler,
+        )
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
