@@ -27,6 +27,7 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message
+    from rich.console import Console
 
 EXIT_FAILURE = 1
 #: Exit status after Ctrl-C (128 + SIGINT, as shells report it).
@@ -292,6 +293,7 @@ def load(socket: str, args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     console = Console(stderr=True)
+    _exit_on_interrupt(console)
     plugins = _recipe_plugins(args.recipe)
     try:
         last = run_load(
@@ -306,16 +308,32 @@ def load(socket: str, args: argparse.Namespace) -> int:
         )
     except ModelExistsError as err:
         return _already_held(socket, err.metadata.get("model", ""), args.timeout, err)
-    except KeyboardInterrupt:
-        print(
-            "weightcache load: interrupted; the daemon goes on loading the model (`weightcache "
-            "ls` shows its progress, `weightcache evict NAME` drops it once loaded)",
-            file=sys.stderr,
-        )
-        return EXIT_INTERRUPTED
     state = pb.ModelState.Name(last.state).removeprefix("MODEL_STATE_")
     print(f"{last.model} {state} {last.progress.bytes_total} bytes")
     return 0 if last.state == pb.MODEL_STATE_READY else EXIT_FAILURE
+
+
+#: What ``weightcache load`` says on Ctrl-C, last on stderr.
+INTERRUPTED = (
+    "weightcache load: interrupted; the daemon goes on loading the model (`weightcache ls` "
+    "shows its progress, `weightcache evict NAME` drops it once loaded)"
+)
+
+
+def _exit_on_interrupt(console: Console) -> None:
+    """On SIGINT: the cursor shown again, :data:`INTERRUPTED` printed, exit
+    :data:`EXIT_INTERRUPTED` at once (``os._exit``). The load is the daemon's and goes on;
+    here there is nothing to clean up. A KeyboardInterrupt raised inside gRPC's streaming
+    call could leave one of its locks held, and the channel's close at exit then hung
+    (issue 35: 1 run in 2 beside another suite, the command still there after 60 s)."""
+    import signal
+
+    def interrupted(signum: int, frame: object) -> None:
+        console.show_cursor(True)
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+
+    signal.signal(signal.SIGINT, interrupted)
 
 
 def _recipe_plugins(steps: list[str]) -> list[pb.RecipePlugin]:
