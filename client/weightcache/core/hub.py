@@ -20,13 +20,12 @@ only ever given the commit.
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import stat
 from dataclasses import dataclass
 
 from weightcache.core.errors import InvalidArgumentError, InvalidCheckpointError
+from weightcache.core.sidefiles import open_regular
 
 #: A full commit hash (``huggingface_hub``'s ``REGEX_COMMIT_HASH``).
 COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
@@ -107,19 +106,10 @@ def read_ref(repo_folder: str | os.PathLike[str], revision: str) -> str | None:
             not hold a commit hash.
     """
     path = os.path.join(repo_folder, "refs", revision)
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    fd = open_regular(path, MAX_REF_BYTES, follow=False)
+    if fd is None:
+        return None
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return None
-        raise InvalidCheckpointError(f"{path}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_REF_BYTES:
-            raise InvalidCheckpointError(
-                f"{path}: not a regular file of at most {MAX_REF_BYTES} bytes"
-            )
         text = os.read(fd, MAX_REF_BYTES + 1).decode("ascii", "replace").strip()
     finally:
         os.close(fd)

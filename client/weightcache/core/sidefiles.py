@@ -43,19 +43,10 @@ def read_bytes(root: str | os.PathLike[str], name: str) -> bytes | None:
     """
     folder = Path(os.path.realpath(root))
     path = folder / name
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    fd = open_regular(path, MAX_SIDE_FILE_BYTES)
+    if fd is None:
+        return None
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return None
-        raise InvalidCheckpointError(f"{path}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidCheckpointError(f"{path}: not a regular file")
-        if info.st_size > MAX_SIDE_FILE_BYTES:
-            raise InvalidCheckpointError(f"{path}: over {MAX_SIDE_FILE_BYTES} bytes")
         real = Path(os.readlink(f"/proc/self/fd/{fd}"))
         allowed = confining_folder(folder)
         if allowed not in real.parents:
@@ -68,6 +59,34 @@ def read_bytes(root: str | os.PathLike[str], name: str) -> bytes | None:
     if len(data) > MAX_SIDE_FILE_BYTES:  # grew since fstat
         raise InvalidCheckpointError(f"{path}: over {MAX_SIDE_FILE_BYTES} bytes")
     return data
+
+
+def open_regular(path: str | os.PathLike[str], limit: int, *, follow: bool = True) -> int | None:
+    """A descriptor of ``path`` when it is a regular file of at most ``limit`` bytes; None
+    when there is no such file. Opened ``O_NONBLOCK`` (a FIFO does not block the open) and,
+    without ``follow``, ``O_NOFOLLOW`` (a symlink there is refused). The caller closes it.
+
+    Raises:
+        InvalidCheckpointError: it cannot be opened, is not a regular file, or is over
+            ``limit`` bytes; the message names the file.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags if follow else flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise InvalidCheckpointError(f"{path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidCheckpointError(f"{path}: not a regular file")
+        if info.st_size > limit:
+            raise InvalidCheckpointError(f"{path}: over {limit} bytes")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:
