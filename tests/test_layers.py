@@ -98,6 +98,43 @@ def test_the_daemon_imports_only_the_core_the_stubs_and_the_public_sdk(path: Pat
     assert wrong == []
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts[1:]  # below client/, cache_service/
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _circles(modules: list[Path]) -> list[tuple[str, str]]:
+    """Pairs of modules of one package that reach each other by imports (lazy ones and
+    those under ``TYPE_CHECKING`` count: a circle of types is still two modules that
+    cannot be understood one without the other)."""
+    by_name = {_module_name(path): path for path in modules}
+    edges = {
+        name: {dep for dep in _imports(path) if dep in by_name and dep != name}
+        for name, path in by_name.items()
+    }
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for dep in edges[todo.pop()] - seen:
+                seen.add(dep)
+                todo.append(dep)
+        return seen
+
+    reached = {name: reach(name) for name in edges}
+    return sorted({tuple(sorted((a, b))) for a in edges for b in reached[a] if a in reached[b]})
+
+
+@pytest.mark.parametrize(
+    "modules", [CORE, DAEMON_MODULES], ids=["weightcache.core", "weightcache_service"]
+)
+def test_no_two_modules_of_a_layer_import_each_other(modules: list[Path]) -> None:
+    # Issue 39: `cache` and `seeding` imported each other (now `events.CacheEvents`), as did
+    # `core.plugins` and `core.recipe` (now `core.placement.Placement`).
+    assert _circles(modules) == []
+
+
 def test_every_layer_was_found() -> None:
     """Guard against a moved folder silently emptying the checks above."""
     assert {p.name for p in CORE} >= {"checkpoint.py", "errors.py", "fingerprint.py"}

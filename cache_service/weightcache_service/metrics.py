@@ -71,7 +71,8 @@ from prometheus_client.registry import Collector
 
 from weightcache.core.records import ModelState
 from weightcache_service.access import MAX_TCP_CONNECTIONS, AccessError, parse_listen
-from weightcache_service.cache import CacheEvents, WeightCache
+from weightcache_service.cache import WeightCache
+from weightcache_service.events import CacheEvents
 from weightcache_service.store import Entry
 
 log = structlog.get_logger("weightcache.daemon")

@@ -43,7 +43,6 @@ from weightcache.core.protocol import fingerprint_pb
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.arena import Arena, SharedMemoryArena, Slot
-from weightcache_service.cache import CacheEvents
 from weightcache_service.dataplane import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_STALL_TIMEOUT,
@@ -53,6 +52,7 @@ from weightcache_service.dataplane import (
     StalledError,
     TransferError,
 )
+from weightcache_service.events import CacheEvents
 from weightcache_service.store import Entry
 
 log = structlog.get_logger("weightcache.daemon")

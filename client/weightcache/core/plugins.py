@@ -31,7 +31,7 @@ from weightcache.core.pipeline import Node
 
 if TYPE_CHECKING:
     from weightcache.core.checkpoint import Checkpoint
-    from weightcache.core.recipe import Placement
+    from weightcache.core.placement import Placement
 
 ENTRY_POINT_GROUP = "weightcache.recipes"
 

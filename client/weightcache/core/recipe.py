@@ -30,31 +30,23 @@ from weightcache.core.checkpoint import Checkpoint
 from weightcache.core.dtypes import CASTABLE, TORCH_DTYPES
 from weightcache.core.errors import RecipeError
 from weightcache.core.pipeline import Node, TensorSpec, stored_nodes
+from weightcache.core.placement import Placement
 from weightcache.core.plugins import ModelPlugin, PluginStep, RecipePlugin
 from weightcache.core.tp import TPPlan, check_heads, shard_nodes
 
+#: ``Placement`` lives in :mod:`weightcache.core.placement` (imported by the plugins
+#: without this module) and stays importable from here.
+__all__ = [
+    "RECIPE_NAME",
+    "RECIPE_VERSION",
+    "Pipeline",
+    "Placement",
+    "Recipe",
+    "parse_dtype",
+]
+
 RECIPE_NAME = "weightcache.recipe"
 RECIPE_VERSION = 2
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the weights run: tensor-parallel rank ``tp_rank`` of ``tp_size``.
-
-    Raises:
-        RecipeError: ``tp_size < 1`` or ``tp_rank`` outside ``[0, tp_size)``.
-    """
-
-    tp_rank: int = 0
-    tp_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise RecipeError(f"invalid placement: tp_rank={self.tp_rank} tp_size={self.tp_size}")
-
-    def identity(self) -> dict[str, Any]:
-        """The placement's part of the fingerprint."""
-        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
 
 
 @dataclass(frozen=True)
