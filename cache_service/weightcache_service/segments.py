@@ -25,6 +25,7 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from weightcache.core.sockets import SEGMENT_PREFIX, SHM_DIR, tag_prefix
@@ -87,29 +88,18 @@ def orphaned_handovers(
     uid = os.geteuid() if uid is None else uid
     owner = None if uid == 0 else uid
     now = time.time()
-    found = []
-    for entry in os.scandir(shm_dir):
-        match = _HANDOVER_NAME.match(entry.name)
-        if match is None or now - int(match["at"]) < grace:
-            continue
-        info = inspect(entry.path, owner)
-        if info is None:
-            continue
-        if isinstance(info, Skipped):
-            if skipped is not None and info.owner is None:
-                skipped.append(info)
-            continue
-        found.append(HandedOver(entry.path, int(match["at"]), info.st_uid, info.st_size))
+    found = [
+        HandedOver(path, int(match["at"]), info.st_uid, info.st_size)
+        for path, match, info in _scan(shm_dir, _HANDOVER_NAME, owner, skipped)
+        if now - int(match["at"]) >= grace
+    ]
     return sorted(found, key=lambda h: h.path)
 
 
 def remove_handed_over(segment: HandedOver) -> Skipped | None:
     """Unlink a segment :func:`orphaned_handovers` found, if its name still leads to a
     regular file of the same owner; None once removed (or gone), else why not."""
-    info = inspect(segment.path, segment.uid)
-    if info is None or isinstance(info, Skipped):
-        return info
-    return unlink_checked(segment.path, info)
+    return _remove_owned(segment.path, segment.uid)
 
 
 def process_start_time(pid: int) -> int | None:
@@ -239,6 +229,28 @@ def unlink_checked(path: str, info: os.stat_result) -> Skipped | None:
     return None
 
 
+def _scan(
+    shm_dir: str, pattern: re.Pattern[str], uid: int | None, skipped: list[Skipped] | None
+) -> Iterator[tuple[str, re.Match[str], os.stat_result]]:
+    """The entries of ``shm_dir`` whose name matches ``pattern`` and that are regular files
+    (of ``uid``, when given), with the match and their ``stat``. Other entries with such a
+    name go to ``skipped``, except other users' files (theirs to remove, not news).
+
+    Raises:
+        OSError: ``shm_dir`` cannot be listed.
+    """
+    for entry in os.scandir(shm_dir):
+        match = pattern.match(entry.name)
+        if match is None:
+            continue
+        info = inspect(entry.path, uid)
+        if isinstance(info, Skipped):
+            if skipped is not None and info.owner is None:
+                skipped.append(info)
+        elif info is not None:
+            yield entry.path, match, info
+
+
 def list_segments(
     shm_dir: str = SHM_DIR, uid: int | None = None, skipped: list[Skipped] | None = None
 ) -> list[Segment]:
@@ -249,21 +261,10 @@ def list_segments(
     Raises:
         OSError: ``shm_dir`` cannot be listed.
     """
-    found = []
-    for entry in os.scandir(shm_dir):
-        match = _NAME.match(entry.name)
-        if match is None:
-            continue
-        info = inspect(entry.path, uid)
-        if info is None:
-            continue
-        if isinstance(info, Skipped):
-            if skipped is not None and info.owner is None:
-                skipped.append(info)
-            continue
-        found.append(
-            Segment(entry.path, int(match["pid"]), int(match["start"]), info.st_uid, info.st_size)
-        )
+    found = [
+        Segment(path, int(match["pid"]), int(match["start"]), info.st_uid, info.st_size)
+        for path, match, info in _scan(shm_dir, _NAME, uid, skipped)
+    ]
     return sorted(found, key=lambda s: s.path)
 
 
@@ -315,10 +316,16 @@ def remove_dead_segments(
 def remove_segment(segment: Segment) -> Skipped | None:
     """Unlink a segment :func:`list_segments` found, if its name still leads to a regular
     file of the same owner; None once removed (or gone), else why not. Never raises."""
-    info = inspect(segment.path, segment.uid)
+    return _remove_owned(segment.path, segment.uid)
+
+
+def _remove_owned(path: str, uid: int) -> Skipped | None:
+    """Unlink ``path`` if it still leads to a regular file of ``uid``; None once removed
+    (or gone), else why not. Never raises."""
+    info = inspect(path, uid)
     if info is None or isinstance(info, Skipped):
         return info
-    return unlink_checked(segment.path, info)
+    return unlink_checked(path, info)
 
 
 def remove_stale_segments(
