@@ -409,7 +409,8 @@ def _shard_sha(node: Node) -> str:
 
 def _throttled_args(pki: Pki, link: Link) -> tuple[list[str], list[str]]:
     """A's and B's arguments for a seed slow enough to act during it: A serves each of
-    B's 4 streams at 256 KiB/s, in 64 KiB chunks (8 MiB take about 8 s)."""
+    B's 4 streams (or data connections) at 256 KiB/s, in 64 KiB chunks (8 MiB take
+    about 8 s)."""
     serving = _serving_args(
         pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "262144"
     )
