@@ -13,6 +13,8 @@ Run as ``python -m tests.seed_peer TARGET CA CERT KEY CHECKPOINT``. Commands:
   target's host at ``port``, send the hello (``secret`` in hex, ``ranges`` as ``[[offset,
   length], ...]``) and read until the daemon closes it -> ``{"bytes", "sha256"}`` of
   what arrived.
+- ``{"op": "silent", "port"}``: open a data-plane connection, send half a hello, and read
+  until the daemon closes it -> ``{"bytes"}`` received.
 - ``{"op": "list"}``: ListLeases -> ``{"leases": [{"lease_id", "model", "label", "ttl"}]}``
   (``ttl`` in whole seconds).
 - ``{"op": "read", "lease_id", "length", "chunk_bytes"}``: ReadSeedData from offset 0,
@@ -77,6 +79,17 @@ def _data(target: str, port: int, secret: str, ranges: list[list[int]]) -> dict[
     return {"bytes": got, "sha256": digest.hexdigest()}
 
 
+def _silent(target: str, port: int) -> dict[str, Any]:
+    host = target.rpartition(":")[0].strip("[]")
+    got = 0
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(bytes(16))  # half a secret, and then nothing
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 20):
+                got += len(chunk)
+    return {"bytes": got}
+
+
 def main() -> None:
     target, ca, cert, key, checkpoint = sys.argv[1:6]
     creds = grpc.ssl_channel_credentials(
@@ -110,6 +123,8 @@ def main() -> None:
                     "data_port": begun.data_port,
                     "secrets": [s.hex() for s in begun.data_secrets],
                 }
+            elif op == "silent":
+                answer = _silent(target, command["port"])
             elif op == "data":
                 answer = _data(target, command["port"], command["secret"], command["ranges"])
             elif op == "list":

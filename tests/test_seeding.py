@@ -944,6 +944,7 @@ def test_a_data_connection_needs_a_fresh_secret_of_its_lease(
             first = peer("data", port=port, secret=secrets[0], ranges=whole)
             again = peer("data", port=port, secret=secrets[0], ranges=whole)
             wrong = peer("data", port=port, secret=os.urandom(32).hex(), ranges=whole)
+            silent = peer("silent", port=port)  # closed after HELLO_TIMEOUT (5 s)
             outside = peer("data", port=port, secret=secrets[1], ranges=[[0, size + 1]])
             peer("end", lease_id=begun["lease_id"])
             ended = peer("data", port=port, secret=secrets[2], ranges=whole)
@@ -959,9 +960,11 @@ def test_a_data_connection_needs_a_fresh_secret_of_its_lease(
     assert len(secrets) == 3 and all(len(bytes.fromhex(s)) == 32 for s in secrets)
     assert first == {"bytes": size, "sha256": hashlib.sha256(arena).hexdigest()}
     assert again == wrong == outside == ended == nothing  # closed before any byte
+    assert silent == {"bytes": 0}
     assert refusals == [
         "no valid secret",
         "no valid secret",
+        "no hello in time",
         f"the ranges asked pass the {size}-byte arena or its size in all",
         "the transfer lease ended (released, expired, or revoked by an evict or a drain): "
         "begin the seed again",
