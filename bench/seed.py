@@ -11,8 +11,12 @@ For a model of ``--gib`` GiB in 8 shards, each in its own folder for A and B:
   the wire and back, no TLS), with 1 and with 4 connections in parallel; also ``curl``
   from ``python -m http.server`` (one connection) as the plain "cp over HTTP" figure.
 - **seed**: daemon B (``--seed-from A``, mutual TLS) loading the model from daemon A,
-  for each ``--plans`` entry (streams x chunk MiB): B's ``loaded`` seconds (arena,
-  transfer, sha256 of every shard, READY).
+  for each ``--plans`` entry (``PLANE:STREAMSxCHUNK_MIB``: ``tcp``, the sendfile data
+  plane, or ``grpc``, ReadSeedData streams): B's ``loaded`` seconds (arena, transfer,
+  sha256 of every shard, READY).
+- **transfer alone** (issue 40): a process in B that calls BeginSeed on daemon A and
+  pulls the whole arena over the sendfile data plane (``SendfilePlane``, ``--raw``
+  connections) into a populated anonymous mapping: no hashing, no daemon B.
 - **files**: daemon B loading the model from its own page-cached files, with its hash
   cache cold (it hashes every shard, as a first load does) and warm (copy only).
 
@@ -188,6 +192,49 @@ def curl_link(ns_a: str, ns_b: str, a_ip: str, folder: Path, files: list[Path]) 
         server.wait(30)
 
 
+_RAW = """
+import json, mmap, sys, time
+from pathlib import Path
+import grpc
+from tests.seed_peer import _components
+from weightcache.v1 import weight_cache_service_pb2 as pb
+from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
+from weightcache_service.sendfile_plane import SendfilePlane
+target, ca, cert, key, model, connections = sys.argv[1:7]
+creds = grpc.ssl_channel_credentials(
+    Path(ca).read_bytes(), Path(key).read_bytes(), Path(cert).read_bytes()
+)
+with grpc.secure_channel(target, creds) as channel:
+    stub = pb_grpc.WeightCacheServiceStub(channel)
+    begun = stub.BeginSeed(pb.BeginSeedRequest(
+        components=_components(model), data_connections=int(connections)), timeout=30)
+    size = begun.arena_size
+    buf = mmap.mmap(-1, size)
+    buf.madvise(23)  # MADV_POPULATE_WRITE, as the daemon's arena (no fault per page)
+    view = memoryview(buf)
+    plane = SendfilePlane(target.rpartition(":")[0], begun.data_port,
+                          list(begun.data_secrets), lambda o, n, fill: fill(view[o:o + n]))
+    start = time.monotonic()
+    plane.pull(begun.lease_id, [(0, size)], lambda _o, _d: None, lambda: False)
+    seconds = time.monotonic() - start
+    stub.EndSeed(pb.EndSeedRequest(lease_id=begun.lease_id), timeout=10)
+    view.release()
+print(json.dumps({"seconds": seconds, "bytes": size}))
+"""
+
+
+def raw_plane(ns_b: str, target: str, client: list[str], model: Path, connections: int) -> float:
+    """Seconds to pull daemon A's whole arena over the sendfile plane from namespace B,
+    with ``connections`` connections, into a populated mapping (no hashing)."""
+    done = subprocess.run(
+        [IP, "netns", "exec", ns_b, sys.executable, "-c", _RAW, target, *client, str(model),
+         str(connections)],
+        capture_output=True, text=True, check=True, timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    return float(json.loads(done.stdout.splitlines()[-1])["seconds"])
+
+
 def _event(daemon: Daemon, event: str) -> dict[str, object]:
     for line in daemon.log().splitlines():
         with contextlib.suppress(json.JSONDecodeError):
@@ -216,7 +263,12 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--plans", default="4x4,8x8,16x8", help="seed plans: STREAMSxCHUNK_MIB, comma-separated"
+        "--plans",
+        default="tcp:2x4,tcp:4x4,grpc:4x4",
+        help="seed plans: PLANE:STREAMSxCHUNK_MIB (PLANE tcp or grpc), comma-separated",
+    )
+    parser.add_argument(
+        "--raw", default="1,4", help="connections of the transfer-alone runs, comma-separated"
     )
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -246,7 +298,11 @@ def main() -> int:
                 "--seed-from", f"{a_ip}:{PORT}", "--peer-tls-cert", str(pki.client_cert),
                 "--peer-tls-key", str(pki.client_key), "--peer-tls-ca", str(pki.ca),
             ]  # fmt: skip
-            plans = [tuple(int(x) for x in p.split("x")) for p in args.plans.split(",")]
+            plans = [
+                (p.split(":")[0], *(int(x) for x in p.split(":")[1].split("x")))
+                for p in args.plans.split(",")
+            ]
+            client = [str(pki.ca), str(pki.client_cert), str(pki.client_key)]
             try:
                 for r in range(args.rounds):
                     results.setdefault("link: sendfile, 1 connection", []).append(
@@ -258,12 +314,17 @@ def main() -> int:
                     results.setdefault("link: curl from http.server", []).append(
                         curl_link(ns_a, ns_b, a_ip, root / "a" / "model", files)
                     )
-                    for streams, chunk in plans:
+                    for connections in (int(c) for c in args.raw.split(",") if c):
+                        key = f"transfer alone: tcp plane, {connections} connections"
+                        results.setdefault(key, []).append(
+                            raw_plane(ns_b, f"{a_ip}:{PORT}", client, b_model, connections)
+                        )
+                    for plane, streams, chunk in plans:
                         b = run_daemon(
-                            ns_b, root / "b", f"s{r}-{streams}-{chunk}", b_model,
+                            ns_b, root / "b", f"s{r}-{plane}-{streams}-{chunk}", b_model,
                             [*peer, "--seed-streams", str(streams),
-                             "--seed-chunk-bytes", str(chunk << 20)],
-                            hashes=root / "b" / f"hashes-seed-{r}-{streams}-{chunk}",
+                             "--seed-chunk-bytes", str(chunk << 20), "--seed-plane", plane],
+                            hashes=root / "b" / f"hashes-seed-{r}-{plane}-{streams}-{chunk}",
                         )  # fmt: skip
                         try:
                             seeded = _event(b, "seeded")
@@ -276,7 +337,8 @@ def main() -> int:
                             {k: v for k, v in seeded.items() if k.endswith("seconds")},
                             flush=True,
                         )
-                        key = f"seed: {streams} streams x {chunk} MiB"
+                        assert seeded["plane"] == plane, seeded
+                        key = f"seed: {plane}, {streams} streams x {chunk} MiB"
                         results.setdefault(key, []).append(float(str(loaded["seconds"])))
                     hashes = root / "b" / f"hashes-files-{r}"
                     for label in ("cold hash cache", "warm hash cache"):

@@ -5,9 +5,16 @@ JSON answer per line on stdout.
 
 Run as ``python -m tests.seed_peer TARGET CA CERT KEY CHECKPOINT``. Commands:
 
-- ``{"op": "begin", "ttl"}``: BeginSeed for the checkpoint (its fingerprint components,
-  computed from its files; ``ttl`` seconds asked, 0 by default) -> ``{"lease_id",
-  "arena_size"}``.
+- ``{"op": "begin", "ttl", "connections"}``: BeginSeed for the checkpoint (its
+  fingerprint components, computed from its files; ``ttl`` seconds asked, 0 by default;
+  ``connections`` sendfile data-plane connections asked, 0 by default) -> ``{"lease_id",
+  "arena_size", "data_port", "secrets": [hex, ...]}``.
+- ``{"op": "data", "port", "secret", "ranges"}``: open a data-plane connection to the
+  target's host at ``port``, send the hello (``secret`` in hex, ``ranges`` as ``[[offset,
+  length], ...]``) and read until the daemon closes it -> ``{"bytes", "sha256"}`` of
+  what arrived.
+- ``{"op": "silent", "port"}``: open a data-plane connection, send half a hello, and read
+  until the daemon closes it -> ``{"bytes"}`` received.
 - ``{"op": "list"}``: ListLeases -> ``{"leases": [{"lease_id", "model", "label", "ttl"}]}``
   (``ttl`` in whole seconds).
 - ``{"op": "read", "lease_id", "length", "chunk_bytes"}``: ReadSeedData from offset 0,
@@ -22,7 +29,10 @@ A refused call answers ``{"code", "reason", "metadata"}`` (its gRPC code and Err
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,6 +62,34 @@ def _refused(exc: grpc.RpcError) -> dict[str, Any]:
     return {"code": failure.code.name, "reason": failure.reason, "metadata": failure.metadata}
 
 
+def _data(target: str, port: int, secret: str, ranges: list[list[int]]) -> dict[str, Any]:
+    from weightcache_service.sendfile_plane import HELLO, RANGE
+
+    host = target.rpartition(":")[0].strip("[]")
+    digest, got = hashlib.sha256(), 0
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(
+            HELLO.pack(bytes.fromhex(secret), len(ranges))
+            + b"".join(RANGE.pack(offset, length) for offset, length in ranges)
+        )
+        with contextlib.suppress(ConnectionResetError):  # closed with the hello unread
+            while chunk := sock.recv(1 << 20):
+                digest.update(chunk)
+                got += len(chunk)
+    return {"bytes": got, "sha256": digest.hexdigest()}
+
+
+def _silent(target: str, port: int) -> dict[str, Any]:
+    host = target.rpartition(":")[0].strip("[]")
+    got = 0
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(bytes(16))  # half a secret, and then nothing
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 20):
+                got += len(chunk)
+    return {"bytes": got}
+
+
 def main() -> None:
     target, ca, cert, key, checkpoint = sys.argv[1:6]
     creds = grpc.ssl_channel_credentials(
@@ -73,11 +111,22 @@ def main() -> None:
             if op == "begin":
                 begun = stub.BeginSeed(
                     pb.BeginSeedRequest(
-                        components=_components(checkpoint), ttl_seconds=command.get("ttl", 0)
+                        components=_components(checkpoint),
+                        ttl_seconds=command.get("ttl", 0),
+                        data_connections=command.get("connections", 0),
                     ),
                     timeout=20,
                 )
-                answer = {"lease_id": begun.lease_id, "arena_size": begun.arena_size}
+                answer = {
+                    "lease_id": begun.lease_id,
+                    "arena_size": begun.arena_size,
+                    "data_port": begun.data_port,
+                    "secrets": [s.hex() for s in begun.data_secrets],
+                }
+            elif op == "silent":
+                answer = _silent(target, command["port"])
+            elif op == "data":
+                answer = _data(target, command["port"], command["secret"], command["ranges"])
             elif op == "list":
                 listed = stub.ListLeases(pb.ListLeasesRequest(), timeout=20)
                 answer = {

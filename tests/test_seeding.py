@@ -319,10 +319,11 @@ def test_seeds_a_sharded_checkpoint_from_the_peer(room: Path, link: Link, pki: P
     peer = f"{link.a_ip}:{PORT}"
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {peer}")
     assert model.fingerprint.digest == _model_digest(a_node)
-    assert (seeded["peer"], seeded["bytes"], seeded["files_confirmed"]) == (
+    assert (seeded["peer"], seeded["bytes"], seeded["files_confirmed"], seeded["plane"]) == (
         peer,
         model.size_bytes,
         False,
+        "tcp",  # the sendfile data plane, offered by default (issue 40)
     )
     header, row = ls.stdout.splitlines()[:2]
     assert header.split()[-1] == "SOURCE"
@@ -408,7 +409,8 @@ def _shard_sha(node: Node) -> str:
 
 def _throttled_args(pki: Pki, link: Link) -> tuple[list[str], list[str]]:
     """A's and B's arguments for a seed slow enough to act during it: A serves each of
-    B's 4 streams at 256 KiB/s, in 64 KiB chunks (8 MiB take about 8 s)."""
+    B's 4 streams (or data connections) at 256 KiB/s, in 64 KiB chunks (8 MiB take
+    about 8 s)."""
     serving = _serving_args(
         pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", "--seed-max-rate", "262144"
     )
@@ -422,6 +424,7 @@ def test_a_peer_killed_mid_transfer_leaves_the_files_to_load(
     a_node, b_node = _nodes(room, link, big=True)
     # Throttled: time enough to see some bytes arrive and kill A midway.
     serving, seeding = _throttled_args(pki, link)
+    seeding = [*seeding, "--seed-plane", "grpc"]  # the data plane's evict test covers tcp
     with _running(a_node, serving) as a, _running(b_node, seeding, wait=False) as b:
         _wait_for_progress(b)
         a.kill()
@@ -481,9 +484,23 @@ def _wait_for_progress(b: Daemon) -> None:
 
 
 @netns_only
-def test_an_evict_on_the_peer_ends_the_transfer_at_once(room: Path, link: Link, pki: Pki) -> None:
+@pytest.mark.parametrize(
+    ("plane", "why"),
+    [
+        (
+            "grpc",
+            "ReadSeedData: NOT_FOUND: the transfer lease ended (released, expired, or "
+            "revoked by an evict or a drain)",
+        ),
+        ("tcp", "data connection: the peer closed the data connection "),
+    ],
+)
+def test_an_evict_on_the_peer_ends_the_transfer_at_once(
+    room: Path, link: Link, pki: Pki, plane: str, why: str
+) -> None:
     a_node, b_node = _nodes(room, link, big=True)
     serving, seeding = _throttled_args(pki, link)
+    seeding = [*seeding, "--seed-plane", plane]
     with _running(a_node, serving) as a, _running(b_node, seeding, wait=False) as b:
         _wait_for_progress(b)
         with grpc.insecure_channel(f"unix:{a.socket}") as channel:
@@ -499,10 +516,7 @@ def test_an_evict_on_the_peer_ends_the_transfer_at_once(room: Path, link: Link, 
     assert held_by_a == []
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
     assert failed["result"] == "transfer"
-    assert str(failed["why"]).startswith(
-        f"from {link.a_ip}:{PORT}: ReadSeedData: NOT_FOUND: the transfer lease ended "
-        "(released, expired, or revoked by an evict or a drain)"
-    )
+    assert str(failed["why"]).startswith(f"from {link.a_ip}:{PORT}: {why}")
 
 
 @netns_only
@@ -618,15 +632,17 @@ def _wait_for_event(daemon: Daemon, event: str) -> dict[str, object]:
 
 
 @netns_only
+@pytest.mark.parametrize(
+    ("plane", "stream"),
+    [("grpc", "a ReadSeedData stream"), ("tcp", "a data connection")],
+)
 def test_a_stalled_peer_is_abandoned_for_the_files_within_the_bound(
-    room: Path, link: Link, pki: Pki
+    room: Path, link: Link, pki: Pki, plane: str, stream: str
 ) -> None:
     a_node, b_node = _nodes(room, link)
     serving, seeding = _stalling_args(pki, link)
-    with (
-        _running(a_node, serving) as a,
-        _running(b_node, [*seeding, "--seed-stall-timeout", "2"], wait=False) as b,
-    ):
+    seeding = [*seeding, "--seed-stall-timeout", "2", "--seed-plane", plane]
+    with _running(a_node, serving) as a, _running(b_node, seeding, wait=False) as b:
         begun = _wait_for_event(a, "seed begun")
         started = time.monotonic()
         b.wait_ready(models=1)
@@ -640,7 +656,7 @@ def test_a_stalled_peer_is_abandoned_for_the_files_within_the_bound(
     assert model.fingerprint.digest == _model_digest(b_node)
     assert failed["result"] == "stalled"
     assert failed["why"] == (
-        f"from {link.a_ip}:{PORT}: stalled: a ReadSeedData stream received 0 bytes in 2 s, "
+        f"from {link.a_ip}:{PORT}: stalled: {stream} received 0 bytes in 2 s, "
         "less than 65536 (--seed-stall-timeout)"
     )
     assert waited < 2 + 20  # the bound, and the load from the files (unbounded before)
@@ -905,3 +921,52 @@ def test_seeding_is_bounded_per_peer(room: Path, link: Link, pki: Pki) -> None:
     assert "lease_id" in other  # another peer is not locked out
     # A plain evict ends the transfer leases at once instead of waiting for them.
     assert (evicted.model.name, left, held) == ("big", {}, [])
+
+
+# -- the sendfile data plane (issue 40) --------------------------------------------------
+
+
+@netns_only
+def test_a_data_connection_needs_a_fresh_secret_of_its_lease(
+    room: Path, link: Link, pki: Pki
+) -> None:
+    import hashlib
+
+    a_node, b_node = _nodes(room, link)
+    serving = _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding")
+    with _running(a_node, serving) as a:
+        [segment] = _segments(a)
+        with _peers(b_node, link, pki) as (peer, _stranger):
+            begun = peer("begin", connections=3)
+            port, size, secrets = begun["data_port"], begun["arena_size"], begun["secrets"]
+            assert isinstance(secrets, list) and isinstance(size, int)
+            whole = [[0, size]]
+            first = peer("data", port=port, secret=secrets[0], ranges=whole)
+            again = peer("data", port=port, secret=secrets[0], ranges=whole)
+            wrong = peer("data", port=port, secret=os.urandom(32).hex(), ranges=whole)
+            silent = peer("silent", port=port)  # closed after HELLO_TIMEOUT (5 s)
+            outside = peer("data", port=port, secret=secrets[1], ranges=[[0, size + 1]])
+            peer("end", lease_id=begun["lease_id"])
+            ended = peer("data", port=port, secret=secrets[2], ranges=whole)
+            arena = Path(segment).read_bytes()[:size]
+        refusals = [e["why"] for e in _events(a, "seed data connection refused")]
+        [listening] = _events(a, "listening for seed data")
+        with _running(b_node, _seeding_args(pki, link)) as b:  # a seed still works after
+            model = _model(b)
+            [seeded] = _events(b, "seeded")
+
+    nothing = {"bytes": 0, "sha256": hashlib.sha256(b"").hexdigest()}
+    assert (listening["address"], listening["port"]) == (link.a_ip, port)
+    assert len(secrets) == 3 and all(len(bytes.fromhex(s)) == 32 for s in secrets)
+    assert first == {"bytes": size, "sha256": hashlib.sha256(arena).hexdigest()}
+    assert again == wrong == outside == ended == nothing  # closed before any byte
+    assert silent == {"bytes": 0}
+    assert refusals == [
+        "no valid secret",
+        "no valid secret",
+        "no hello in time",
+        f"the ranges asked pass the {size}-byte arena or its size in all",
+        "the transfer lease ended (released, expired, or revoked by an evict or a drain): "
+        "begin the seed again",
+    ]
+    assert (model.source, seeded["plane"]) == (f"peer {link.a_ip}:{PORT}", "tcp")

@@ -19,7 +19,7 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import torch
 
@@ -186,6 +186,18 @@ class SharedMemoryArena:
             return
         with memoryview(self._mmap) as whole:
             fill(whole[slot.byte_offset : slot.byte_offset + slot.nbytes])
+
+    def reader(self) -> BinaryIO:
+        """A read-only file of the segment with a file description of its own (opened
+        again through ``/proc/self/fd``): its position is its own, and it stays valid
+        after :meth:`close` (the kernel keeps an unlinked file's pages while it is open),
+        for a data plane that ``sendfile(2)``s from it (:mod:`.sendfile_plane`).
+
+        Raises:
+            OSError: the arena is closed, or /proc is not mounted.
+        """
+        fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return os.fdopen(fd, "rb", buffering=0)
 
     def copy_from_file(self, slot: Slot, fd: int, offset: int) -> int:
         """Copy ``slot.nbytes`` bytes of file ``fd`` from byte ``offset`` into the slot with

@@ -100,6 +100,8 @@ class ServiceOptions:
     #: ``--seed-stall-timeout``: seconds within which each seed stream must receive a
     #: chunk, or the seed is abandoned for the files.
     seed_stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    #: ``--seed-plane``: ``tcp`` asks a peer for its sendfile data plane; ``grpc`` does not.
+    seed_plane: str = "tcp"
 
 
 class WeightCache:
@@ -285,6 +287,7 @@ class WeightCache:
                 streams=self.options.seed_streams,
                 chunk_bytes=self.options.seed_chunk_bytes,
                 stall_timeout=self.options.seed_stall_timeout,
+                plane=self.options.seed_plane,
             )
             load = asyncio.to_thread(self.store.load_seeded, entry, seeder.seed, seeder.fallback)
         else:

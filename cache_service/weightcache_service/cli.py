@@ -262,6 +262,20 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes per second each stream served to a seeding peer may carry (0: no limit)",
     )
     daemon.add_argument(
+        "--seed-plane",
+        choices=("tcp", "grpc"),
+        default="tcp",
+        help="seed bytes over the sendfile data plane (tcp: plaintext, authorized per "
+        "connection; default) or only inside TLS over gRPC (grpc), serving and seeding",
+    )
+    daemon.add_argument(
+        "--seed-data-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of the sendfile data plane on --listen's host (default 0: any free one)",
+    )
+    daemon.add_argument(
         "--health-listen",
         default=None,
         metavar="HOST:PORT",
@@ -537,9 +551,12 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
                     if args.seed_stall_timeout is None
                     else {"seed_stall_timeout": args.seed_stall_timeout}
                 ),
+                seed_plane=args.seed_plane,
             ),
             allow_seeding=args.allow_seeding,
             seed_max_rate=args.seed_max_rate,
+            seed_plane=args.seed_plane,
+            seed_data_port=args.seed_data_port,
             budget=MemoryBudget(
                 max_bytes=max_bytes,
                 percent=percent,

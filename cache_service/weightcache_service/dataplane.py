@@ -1,9 +1,11 @@
 """The data plane of seeding: how a seeding daemon pulls a peer's arena bytes.
 
-One small interface, :class:`DataPlane`, so that another transfer engine (Mooncake's
-transfer engine, NIXL) can be added beside the one implemented here,
-:class:`GrpcStreamPlane`: ``ReadSeedData`` server-streaming calls over the same
-mutual-TLS gRPC channel as ``BeginSeed``, several in parallel over contiguous ranges.
+One small interface, :class:`DataPlane`, with two implementations: the sendfile data
+plane (:class:`.sendfile_plane.SendfilePlane`, the default: the kernel moves the bytes,
+plaintext, authorized per connection) and :class:`GrpcStreamPlane`: ``ReadSeedData``
+server-streaming calls over the same mutual-TLS gRPC channel as ``BeginSeed``, several
+in parallel over contiguous ranges. An RDMA transfer engine (Mooncake's, NIXL) would be a
+third, registering a staging buffer, never a live arena (docs/seeding.md, "Data plane").
 
 Why not Mooncake's transfer engine today (docs/seeding.md, "Data plane", with the
 figures of ``bench/seed_mooncake_ceiling.py``): over TCP it authenticates no peer, listens

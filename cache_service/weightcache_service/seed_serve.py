@@ -144,7 +144,7 @@ class SeedServer:
         log.info("seed begun", model=entry.name, lease=lease.lease_id[:8], peer=who)
         return lease.lease_id, entry
 
-    def _entry(self, lease_id: str, who: str) -> Entry:
+    def entry(self, lease_id: str, who: str) -> Entry:
         """The READY entry a live, unrevoked transfer lease of peer ``who`` holds; renews
         the lease.
 
@@ -182,7 +182,7 @@ class SeedServer:
                 ``chunk_bytes`` is below :data:`MIN_CHUNK_BYTES` (0 asks the default).
             ResourceExhaustedError: ``who``, or all peers, have the most streams open.
         """
-        entry = self._entry(lease_id, who)
+        entry = self.entry(lease_id, who)
         if offset < 0 or length < 0 or offset + length > entry.size:
             raise InvalidArgumentError(
                 f"range [{offset}, {offset + length}) is not within the {entry.size}-byte arena",
@@ -194,6 +194,21 @@ class SeedServer:
                 "bytes (0 asks the default)",
                 metadata={"field": "chunk_bytes"},
             )
+        self.open_stream(who)
+        try:
+            async for item in self._chunks(
+                entry, lease_id, offset, length, chunk_bytes=chunk_bytes, who=who
+            ):
+                yield item
+        finally:
+            self.close_stream(who)
+
+    def open_stream(self, who: str) -> None:
+        """Count a stream of ``who`` (a ReadSeedData call or a data-plane connection).
+
+        Raises:
+            ResourceExhaustedError: ``who``, or all peers, have the most streams open.
+        """
         if self._streams[who] >= MAX_STREAMS_PER_PEER:
             raise ResourceExhaustedError(
                 f"this peer has {MAX_STREAMS_PER_PEER} ReadSeedData streams open already",
@@ -205,15 +220,12 @@ class SeedServer:
                 metadata={"field": "streams"},
             )
         self._streams[who] += 1
-        try:
-            async for item in self._chunks(
-                entry, lease_id, offset, length, chunk_bytes=chunk_bytes, who=who
-            ):
-                yield item
-        finally:
-            self._streams[who] -= 1
-            if self._streams[who] <= 0:
-                del self._streams[who]
+
+    def close_stream(self, who: str) -> None:
+        """Uncount a stream :meth:`open_stream` counted."""
+        self._streams[who] -= 1
+        if self._streams[who] <= 0:
+            del self._streams[who]
 
     async def _chunks(
         self, entry: Entry, lease_id: str, offset: int, length: int, *, chunk_bytes: int, who: str
@@ -224,16 +236,16 @@ class SeedServer:
         sent = 0
         cursor = offset
         while cursor < offset + length:
-            entry = self._entry(lease_id, who)
+            entry = self.entry(lease_id, who)
             arena = entry.arena
-            assert arena is not None  # checked by _entry
+            assert arena is not None  # checked by entry()
             n = min(chunk, offset + length - cursor)
             if self.max_rate > 0:
                 # Wait until sending this chunk keeps the stream within the rate.
                 ahead = (sent + n) / self.max_rate - (time.monotonic() - start)
                 if ahead > 0:
                     await asyncio.sleep(ahead)
-                entry = self._entry(lease_id, who)  # checked again after the wait
+                entry = self.entry(lease_id, who)  # checked again after the wait
                 arena = entry.arena
                 assert arena is not None
             yield cursor, response_bytes(arena, cursor, n)

@@ -11,7 +11,8 @@ the load thread (:meth:`Store.load_seeded`) runs :meth:`Seeder.seed`:
    Service) is tried address by address, the certificate checked against the host name.
 2. The layout must be this daemon's own plan, tensor for tensor; digests the local hash
    cache holds must be the peer's.
-3. The data plane (:mod:`.dataplane`) pulls the arena.
+3. The data plane pulls the arena: the peer's sendfile plane (:mod:`.sendfile_plane`)
+   when it offers one, else ReadSeedData streams (:mod:`.dataplane`).
 4. Each shard file is rebuilt from this daemon's own header bytes and the received tensor
    bytes, and its sha256 compared with the peer's digest, before the model turns READY.
 
@@ -27,6 +28,7 @@ import itertools
 import os
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,7 @@ from weightcache_service.dataplane import (
     TransferError,
 )
 from weightcache_service.events import CacheEvents
+from weightcache_service.sendfile_plane import SendfilePlane
 from weightcache_service.store import Entry
 
 log = structlog.get_logger("weightcache.daemon")
@@ -139,6 +142,9 @@ class Seeder:
         chunk_bytes: bytes per ReadSeedData message.
         stall_timeout: seconds within which every stream must receive a chunk
             (``--seed-stall-timeout``), or the seed is abandoned (result ``stalled``).
+        plane: ``tcp``: ask the peer for its sendfile data plane (:mod:`.sendfile_plane`)
+            and use it when offered, else ReadSeedData; ``grpc``: ReadSeedData only
+            (``--seed-plane``).
     """
 
     def __init__(
@@ -150,8 +156,10 @@ class Seeder:
         streams: int = DEFAULT_STREAMS,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        plane: str = "tcp",
     ) -> None:
         self.peer = peer
+        self.plane = plane
         self.tls = tls
         self.events = events
         self.streams = streams
@@ -182,17 +190,20 @@ class Seeder:
         options = [*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", name)]
         return grpc.secure_channel(target, creds, options=options)
 
-    def _begin(self, entry: Entry) -> tuple[grpc.Channel, pb.BeginSeedResponse]:
+    def _begin(self, entry: Entry) -> tuple[grpc.Channel, pb.BeginSeedResponse, str]:
+        """The channel, the answer, and the address (of the peer's host) it came from."""
         request = pb.BeginSeedRequest(
             components=fingerprint_pb(entry.fingerprint).components,
             ttl_seconds=SEED_LEASE_TTL,
+            data_connections=self.streams if self.plane == "tcp" else 0,
         )
         errors = []
         for target, name in self._targets():
             channel = self._channel(target, name)
             try:
                 stub = pb_grpc.WeightCacheServiceStub(channel)
-                return channel, stub.BeginSeed(request, timeout=BEGIN_TIMEOUT)
+                begun = stub.BeginSeed(request, timeout=BEGIN_TIMEOUT)
+                return channel, begun, target.rpartition(":")[0].strip("[]")
             except grpc.RpcError as exc:
                 channel.close()
                 errors.append(f"{target}: {exc.code().name}: {exc.details()}")
@@ -211,12 +222,10 @@ class Seeder:
         why = seedable(entry)
         if why is not None:
             raise SeedFailedError("unsupported", why)
-        channel, begun = self._begin(entry)
+        channel, begun, address = self._begin(entry)
         try:
             digests = self._check_layout(entry, begun)
-            plane: DataPlane = GrpcStreamPlane(
-                channel, self.streams, self.chunk_bytes, self.stall_timeout
-            )
+            plane = self._plane(channel, begun, address, entry, arena)
 
             def write(offset: int, data: memoryview) -> None:
                 def fill(out: memoryview) -> None:
@@ -254,6 +263,7 @@ class Seeder:
                         f"{digests[name][:16]}…",
                     )
             phases = {
+                "plane": "tcp" if isinstance(plane, SendfilePlane) else "grpc",
                 "begin_seconds": round(pulled - self._start, 3),
                 "transfer_seconds": round(verified - pulled, 3),
                 "verify_after_seconds": round(time.monotonic() - verified, 3),
@@ -282,6 +292,36 @@ class Seeder:
             **phases,
         )
         self.events.seeded("seeded", entry.size, seconds)
+
+    def _plane(
+        self,
+        channel: grpc.Channel,
+        begun: pb.BeginSeedResponse,
+        address: str,
+        entry: Entry,
+        arena: Arena,
+    ) -> DataPlane:
+        """The sendfile plane when the peer offered it (a data port and secrets), else
+        ReadSeedData streams over ``channel`` (an older peer, or ``--seed-plane grpc``
+        at either end)."""
+        if not (begun.data_port and begun.data_secrets):
+            return GrpcStreamPlane(channel, self.streams, self.chunk_bytes, self.stall_timeout)
+
+        def into(offset: int, length: int, fill: Callable[[memoryview], None]) -> None:
+            arena.read_into(Slot("seed", "U8", (length,), offset, length), fill)
+
+        def progress(nbytes: int) -> None:
+            entry.bytes_done = min(entry.bytes_done + nbytes, entry.data_bytes)
+
+        return SendfilePlane(
+            address,
+            begun.data_port,
+            list(begun.data_secrets),
+            into,
+            progress=progress,
+            chunk_bytes=self.chunk_bytes,
+            stall_timeout=self.stall_timeout,
+        )
 
     def _check_layout(self, entry: Entry, begun: pb.BeginSeedResponse) -> dict[str, str]:
         """The peer's shard digests, once its layout is found to be this daemon's plan

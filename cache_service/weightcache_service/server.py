@@ -68,6 +68,7 @@ from weightcache_service.segments import (
     segment_name,
     segment_prefix,
 )
+from weightcache_service.sendfile_plane import SendfileServer
 from weightcache_service.servicer import WeightCacheServicer, register_raw_seed_data
 from weightcache_service.socket_lock import SocketLock, SocketLostError
 from weightcache_service.store import Entry, Store
@@ -209,6 +210,11 @@ class DaemonConfig:
         allow_seeding: ``--allow-seeding``: authenticated peers may seed from it.
         seed_max_rate: ``--seed-max-rate``: bytes per second per seed stream served (0:
             no limit).
+        seed_plane: ``--seed-plane``: ``tcp`` offers seeders the sendfile data plane
+            (:mod:`.sendfile_plane`, plaintext, authorized per connection) beside
+            ReadSeedData; ``grpc``: ReadSeedData only (every byte inside TLS).
+        seed_data_port: ``--seed-data-port``: the data plane's port on ``--listen``'s
+            host (0: any free one, logged).
     """
 
     socket: str
@@ -225,6 +231,8 @@ class DaemonConfig:
     argv: list[str] = field(default_factory=list)
     allow_seeding: bool = False
     seed_max_rate: float = 0.0
+    seed_plane: str = "tcp"
+    seed_data_port: int = 0
 
 
 class Daemon:
@@ -277,6 +285,8 @@ class Daemon:
         #: bound (which gRPC applies per listener, from server-wide options) leaves the
         #: Unix socket unbounded.
         self._tcp_server: grpc.aio.Server | None = None
+        #: The seeding data plane's listener (``--allow-seeding``, ``--seed-plane tcp``).
+        self._data_plane: SendfileServer | None = None
         #: Why the socket path stopped being this daemon's, once it did.
         self._socket_lost: str | None = None
         self._hand_over_asked = False
@@ -501,9 +511,8 @@ class Daemon:
         # connection keeps the bound name (getsockname), which is how the servicer
         # tells its connections from others (.peers).
         bound = _bind_path(socket)
-        servicer = WeightCacheServicer(
-            self.cache, bound, seeds=SeedServer(self.cache, self.config.seed_max_rate)
-        )
+        seeds = SeedServer(self.cache, self.config.seed_max_rate)
+        servicer = WeightCacheServicer(self.cache, bound, seeds=seeds)
         server = self._grpc_server(servicer, CONNECTION_OPTIONS)
         if self.config.tcp is not None:
             tcp_server = self._grpc_server(servicer, tcp_server_options(self._tcp_bound))
@@ -516,6 +525,16 @@ class Daemon:
                 port=port,
                 max_connections=self._tcp_bound,
             )
+            if self.config.allow_seeding and self.config.seed_plane == "tcp":
+                host, _ = parse_listen(self.config.tcp.address)
+                plane = SendfileServer(seeds, host, self.config.seed_data_port)
+                try:
+                    data_port = await plane.start()
+                except OSError as exc:
+                    await tcp_server.stop(0)
+                    raise AccessError(f"cannot bind the seed data plane: {exc}") from None
+                self._data_plane = servicer.data_plane = plane
+                log.info("listening for seed data", address=host, port=data_port)
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where it is wider
         try:
             server.add_insecure_port(target(bound))
@@ -750,6 +769,8 @@ class Daemon:
         await self.health.shutdown()
         self.cache.close_sessions()
         grace = self._grace()
+        if self._data_plane is not None:
+            await self._data_plane.stop()
         await asyncio.gather(
             server.stop(grace), *([self._tcp_server.stop(grace)] if self._tcp_server else [])
         )

@@ -55,6 +55,7 @@ from weightcache_service.interceptors import abort
 from weightcache_service.peers import connections, holder
 from weightcache_service.refusals import RefusalLog
 from weightcache_service.seed_serve import SeedServer
+from weightcache_service.sendfile_plane import SendfileServer, peer_address
 from weightcache_service.store import Entry, clip
 
 #: KeepAlive answers queued for a peer before its stream is no longer read.
@@ -114,6 +115,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         self.cache = cache
         #: The serving side of seeding (BeginSeed, ReadSeedData, EndSeed).
         self.seeds = seeds or SeedServer(cache)
+        #: The sendfile data plane offered to seeders, if any (set by the daemon).
+        self.data_plane: SendfileServer | None = None
         #: The path the daemon's Unix socket was bound at (before its rename into place:
         #: the name its accepted connections report): they are the peers ListLeases names.
         self.socket = socket
@@ -316,10 +319,16 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 f"more than {MAX_COMPONENTS} components", metadata={"field": "components"}
             )
         components = {c.name: c.digest for c in request.components}
-        lease_id, entry = self.seeds.begin(
-            components, float(request.ttl_seconds), _peer_identity(context)
-        )
+        who = _peer_identity(context)
+        lease_id, entry = self.seeds.begin(components, float(request.ttl_seconds), who)
+        data_port, data_secrets = 0, []
+        if self.data_plane is not None and request.data_connections > 0:
+            address = peer_address(context.peer())
+            data_port = self.data_plane.port
+            data_secrets = self.data_plane.grant(lease_id, who, address, request.data_connections)
         return pb.BeginSeedResponse(
+            data_port=data_port,
+            data_secrets=data_secrets,
             lease_id=lease_id,
             model=model_pb(self.cache.info(entry)),
             shards=[

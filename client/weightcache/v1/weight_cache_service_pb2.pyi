@@ -551,12 +551,14 @@ class PeerCredentials(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ...) -> None: ...
 
 class BeginSeedRequest(_message.Message):
-    __slots__ = ("components", "ttl_seconds")
+    __slots__ = ("components", "ttl_seconds", "data_connections")
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     components: _containers.RepeatedCompositeFieldContainer[FingerprintComponent]
     ttl_seconds: int
-    def __init__(self, components: _Optional[_Iterable[_Union[FingerprintComponent, _Mapping]]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+    data_connections: int
+    def __init__(self, components: _Optional[_Iterable[_Union[FingerprintComponent, _Mapping]]] = ..., ttl_seconds: _Optional[int] = ..., data_connections: _Optional[int] = ...) -> None: ...
 
 class ShardDigest(_message.Message):
     __slots__ = ("name", "file_sha256")
@@ -567,18 +569,22 @@ class ShardDigest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., file_sha256: _Optional[str] = ...) -> None: ...
 
 class BeginSeedResponse(_message.Message):
-    __slots__ = ("lease_id", "model", "shards", "arena_size", "tensors")
+    __slots__ = ("lease_id", "model", "shards", "arena_size", "tensors", "data_port", "data_secrets")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_SECRETS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     model: Model
     shards: _containers.RepeatedCompositeFieldContainer[ShardDigest]
     arena_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorView]
-    def __init__(self, lease_id: _Optional[str] = ..., model: _Optional[_Union[Model, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardDigest, _Mapping]]] = ..., arena_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorView, _Mapping]]] = ...) -> None: ...
+    data_port: int
+    data_secrets: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lease_id: _Optional[str] = ..., model: _Optional[_Union[Model, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardDigest, _Mapping]]] = ..., arena_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorView, _Mapping]]] = ..., data_port: _Optional[int] = ..., data_secrets: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReadSeedDataRequest(_message.Message):
     __slots__ = ("lease_id", "offset", "length", "chunk_bytes")
