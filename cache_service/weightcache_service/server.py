@@ -68,7 +68,7 @@ from weightcache_service.segments import (
     segment_name,
     segment_prefix,
 )
-from weightcache_service.sendfile_plane import SendfileServer
+from weightcache_service.sendfile_serve import SendfileServer
 from weightcache_service.servicer import WeightCacheServicer, register_raw_seed_data
 from weightcache_service.socket_lock import SocketLock, SocketLostError
 from weightcache_service.store import Entry, Store

@@ -55,7 +55,7 @@ from weightcache_service.interceptors import abort
 from weightcache_service.peers import connections, holder
 from weightcache_service.refusals import RefusalLog
 from weightcache_service.seed_serve import SeedServer
-from weightcache_service.sendfile_plane import SendfileServer, peer_address
+from weightcache_service.sendfile_serve import SendfileServer, peer_address
 from weightcache_service.store import Entry, clip
 
 #: KeepAlive answers queued for a peer before its stream is no longer read.

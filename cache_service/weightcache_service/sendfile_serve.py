@@ -1,0 +1,236 @@
+"""The serving side of the sendfile data plane (issue 40): :class:`SendfileServer`, the plain
+TCP listener that checks each data connection's hello (single-use secret, the BeginSeed
+caller's address, a live transfer lease, ranges within the arena) and ``sendfile(2)``s
+the ranges. The wire format and the seeding side: :mod:`.sendfile_plane`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+from typing import BinaryIO
+from urllib.parse import unquote
+
+import structlog
+
+from weightcache.core.errors import InvalidArgumentError, WeightCacheError
+from weightcache_service.arena import SharedMemoryArena
+from weightcache_service.dataplane import (
+    DEFAULT_STALL_TIMEOUT,
+)
+from weightcache_service.leases import MAX_TRANSFER_LEASES
+from weightcache_service.seed_serve import (
+    MAX_SEED_TTL,
+    MAX_STREAMS_PER_PEER,
+    MIN_CHUNK_BYTES,
+    SeedServer,
+)
+from weightcache_service.sendfile_plane import HELLO, RANGE, SECRET_BYTES
+
+log = structlog.get_logger("weightcache.daemon")
+
+#: Seconds a data connection has to send its whole hello.
+HELLO_TIMEOUT = 5.0
+#: Most ranges one hello may name.
+MAX_RANGES = 4096
+#: Data connections at once that have not yet sent a valid hello; more are closed at once.
+MAX_PENDING = 32
+#: Secrets outstanding at once (those of every transfer lease a daemon may hold); beyond,
+#: the oldest are dropped (a peer that begins and ends seeds in a loop grows nothing).
+MAX_GRANTS = MAX_TRANSFER_LEASES * MAX_STREAMS_PER_PEER
+#: Bytes sent between two checks (and renewals) of the transfer lease.
+SEND_CHUNK = 8 << 20
+#: Seconds one :data:`SEND_CHUNK` may take to leave (the seeder reads nothing: stalled).
+SEND_STALL_TIMEOUT = DEFAULT_STALL_TIMEOUT
+
+
+@dataclass(frozen=True)
+class _Grant:
+    lease_id: str
+    who: str
+    address: str
+    expires: float
+
+
+def peer_address(grpc_peer: str) -> str:
+    """The IP address in a gRPC peer string (``ipv4:10.0.0.2:5000``,
+    ``ipv6:%5B::1%5D:5000``); empty for others (a Unix socket)."""
+    kind, _, rest = unquote(grpc_peer).partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    return rest.rpartition(":")[0].strip("[]")
+
+
+class SendfileServer:
+    """The serving side: a plain TCP listener on the ``--listen`` host.
+
+    Args:
+        seeds: the daemon's seeding service (its leases and stream counts are shared).
+        host: the address to bind (``--listen``'s host).
+        port: the port (``--seed-data-port``; 0: any free one, logged and answered in
+            BeginSeed).
+    """
+
+    def __init__(self, seeds: SeedServer, host: str, port: int = 0) -> None:
+        self.seeds = seeds
+        self.host = host
+        self.port = port
+        self._grants: dict[bytes, _Grant] = {}
+        self._pending = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> int:
+        """Bind and listen; returns the port bound.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop listening and cut every data connection (a drain, a shutdown)."""
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def grant(self, lease_id: str, who: str, address: str, count: int) -> list[bytes]:
+        """``count`` single-use secrets (at most :data:`.seed_serve.MAX_STREAMS_PER_PEER`)
+        for data connections of transfer lease ``lease_id`` of peer ``who`` from IP
+        ``address`` (empty: not bound to an address, a Unix-socket caller)."""
+        now = time.monotonic()
+        for key in [k for k, g in self._grants.items() if g.expires < now]:
+            del self._grants[key]
+        out = []
+        for _ in range(max(0, min(count, MAX_STREAMS_PER_PEER))):
+            secret = secrets.token_bytes(SECRET_BYTES)
+            digest = hashlib.sha256(secret).digest()
+            self._grants[digest] = _Grant(lease_id, who, address, now + MAX_SEED_TTL)
+            out.append(secret)
+        while len(self._grants) > MAX_GRANTS:
+            del self._grants[next(iter(self._grants))]  # the oldest (insertion order)
+        return out
+
+    def _redeem(self, secret: bytes, address: str) -> _Grant | None:
+        """The grant of ``secret``, removed (single use); None if none, expired, or asked
+        from another address. Looked up by its sha256, so the lookup's time says nothing
+        of the secret's bytes."""
+        grant = self._grants.pop(hashlib.sha256(secret).digest(), None)
+        if grant is None or grant.expires < time.monotonic():
+            return None
+        if grant.address and not hmac.compare_digest(grant.address, address):
+            return None
+        return grant
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        address = str(writer.get_extra_info("peername", ("",))[0])
+        try:
+            if self._pending >= MAX_PENDING:
+                log.warning("seed data connection refused", peer=address, why="too many pending")
+                return
+            self._pending += 1
+            try:
+                hello = await asyncio.wait_for(self._hello(reader), HELLO_TIMEOUT)
+            except (TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+                why = "no hello in time" if isinstance(exc, TimeoutError) else "a bad hello"
+                log.warning("seed data connection refused", peer=address, why=why)
+                return
+            finally:
+                self._pending -= 1
+            secret, ranges = hello
+            grant = self._redeem(secret, address)
+            if grant is None:
+                log.warning("seed data connection refused", peer=address, why="no valid secret")
+                return
+            await self._send(grant, ranges, reader, writer)
+        except WeightCacheError as err:
+            log.warning("seed data connection refused", peer=address, why=err.detail)
+        except (OSError, TimeoutError) as exc:
+            log.warning("seed data connection ended", peer=address, why=str(exc) or "stalled")
+        finally:
+            self._writers.discard(writer)
+            writer.close()  # whatever happened: no byte more
+
+    @staticmethod
+    async def _hello(reader: asyncio.StreamReader) -> tuple[bytes, list[tuple[int, int]]]:
+        secret, count = HELLO.unpack(await reader.readexactly(HELLO.size))
+        if not 0 < count <= MAX_RANGES:
+            raise ValueError(f"{count} ranges")
+        raw = await reader.readexactly(count * RANGE.size)
+        return secret, [RANGE.unpack_from(raw, i * RANGE.size) for i in range(count)]
+
+    async def _send(
+        self,
+        grant: _Grant,
+        ranges: list[tuple[int, int]],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """Check the ranges and the stream bounds, then sendfile every range.
+
+        Raises:
+            ModelNotFoundError: the lease ended.
+            InvalidArgumentError: a range passes the arena, or all of them its size.
+            ResourceExhaustedError: the peer, or all peers, have the most streams open.
+            OSError, TimeoutError: the connection failed or stalled.
+        """
+        seeds, who = self.seeds, grant.who
+        entry = seeds.entry(grant.lease_id, who)
+        if any(o + n > entry.size for o, n in ranges) or sum(n for _, n in ranges) > entry.size:
+            raise InvalidArgumentError(
+                f"the ranges asked pass the {entry.size}-byte arena or its size in all"
+            )
+        seeds.open_stream(who)
+        try:
+            arena = entry.arena
+            assert isinstance(arena, SharedMemoryArena)  # entry() and begin() checked it
+            with arena.reader() as file:  # its own descriptor: an evict cannot close it
+                await self._ranges(grant, ranges, file, reader, writer)
+        finally:
+            seeds.close_stream(who)
+
+    async def _ranges(
+        self,
+        grant: _Grant,
+        ranges: list[tuple[int, int]],
+        file: BinaryIO,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        rate = self.seeds.max_rate
+        # Throttled: chunks of a quarter-second's worth, so the stream is even.
+        chunk = SEND_CHUNK if rate <= 0 else min(SEND_CHUNK, max(MIN_CHUNK_BYTES, int(rate / 4)))
+        closed = asyncio.ensure_future(reader.read(1))  # the seeder hung up (or misbehaved)
+        start, sent = time.monotonic(), 0
+        try:
+            for offset, length in ranges:
+                cursor = offset
+                while cursor < offset + length:
+                    n = min(chunk, offset + length - cursor)
+                    if rate > 0:
+                        ahead = (sent + n) / rate - (time.monotonic() - start)
+                        if ahead > 0:
+                            await asyncio.wait({closed}, timeout=ahead)
+                    if closed.done():
+                        return
+                    self.seeds.entry(grant.lease_id, grant.who)  # live, renewed
+                    await asyncio.wait_for(
+                        loop.sendfile(writer.transport, file, cursor, n, fallback=False),
+                        SEND_STALL_TIMEOUT,
+                    )
+                    cursor += n
+                    sent += n
+            await writer.drain()
+        finally:
+            closed.cancel()
