@@ -11,17 +11,19 @@ each in a fresh process (``--worker``):
 
 - ``attach``: ``weightcache.load`` (the shared-memory arena mapped private), then every
   byte of every tensor read (``attach_worker.read_all``);
-- ``populate``: the same, but ``LoadedWeights.populate()`` (``madvise(2)``,
-  ``MADV_POPULATE_READ``, over the whole mapping) before the read (timed apart:
-  ``populate_ms``);
+- ``populate``: the same, but ``madvise(2)`` ``MADV_POPULATE_READ`` over the whole
+  mapping before the read (timed apart: ``populate_ms``): what a worker that means to
+  read everything could do (not in the SDK: it costs the same CPU as the faults, below);
 - ``load_file``: ``safetensors.torch.load_file`` of every shard, then the same read.
 
 Each worker reports the load, the read (``read_ms``), the same read again (``reread_ms``:
-no fault is left, so the difference is the faults' cost), the minor and major faults of
-each (``getrusage``), and what its own mappings of the weights hold (``/proc/self/smaps``:
-``Rss``, ``ShmemPmdMapped``, ``FilePmdMapped``: bytes mapped by 2 MiB entries). The
-daemon's mapping of its arena is read from ``/proc/<daemon>/smaps`` the same way, and
-``/proc/meminfo``'s ``ShmemHugePages`` says whether shared memory holds huge pages at all.
+no fault is left, so the difference is the faults' cost), the CPU time of each
+(``*_cpu_ms``, ``time.thread_time``: what a busy machine's waits leave out), the minor
+and major faults of each (``getrusage``), and what its own mappings of the weights hold
+(``/proc/self/smaps``: ``Rss``, ``ShmemPmdMapped``, ``FilePmdMapped``: bytes mapped by
+2 MiB entries). The daemon's mapping of its arena is read from ``/proc/<daemon>/smaps``
+the same way, and ``/proc/meminfo``'s ``ShmemHugePages`` says whether shared memory holds
+huge pages at all.
 
 Huge pages for ``/dev/shm`` are the host's choice (its mount's ``huge=`` option, or
 ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` for the kernel's own mount). To see
@@ -36,6 +38,7 @@ what they change without touching the host, run it in a mount namespace of its o
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import resource
 import statistics
@@ -51,6 +54,10 @@ MODES = ("attach", "populate", "load_file")
 #: smaps fields summed over the mappings of the weights (kB).
 FIELDS = ("Rss", "ShmemPmdMapped", "FilePmdMapped", "AnonHugePages")
 WORKER_TIMEOUT = 300.0
+#: madvise(2) advice, Linux 5.14+ (Python's mmap module names it only from 3.13).
+MADV_POPULATE_READ = 22
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def smaps(pid: str, marks: tuple[str, ...]) -> dict[str, int]:
@@ -65,6 +72,15 @@ def smaps(pid: str, marks: tuple[str, ...]) -> dict[str, int]:
         elif counting and head and head[0].rstrip(":") in totals:
             totals[head[0].rstrip(":")] += int(head[1])
     return totals
+
+
+def segment_range(marks: tuple[str, ...]) -> tuple[int, int]:
+    """Start address and length of this process's mapping whose path holds a mark."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if any(mark in line for mark in marks):
+            start, end = (int(part, 16) for part in line.split()[0].split("-"))
+            return start, end - start
+    raise SystemExit(f"no mapping of {marks} in /proc/self/maps")
 
 
 def faults() -> tuple[int, int]:
@@ -96,16 +112,18 @@ def worker(mode: str, model_dir: str, socket: str) -> None:
     out["load_ms"] = (loaded - start) * 1e3
     out["load_minflt"] = after_load[0] - before[0]
     if mode == "populate":
-        assert held is not None
-        begin = time.perf_counter()
-        if not held.populate():
-            raise SystemExit("LoadedWeights.populate: refused (Linux older than 5.14?)")
+        address, length = segment_range(marks)
+        begin, cpu = time.perf_counter(), time.thread_time()
+        if LIBC.madvise(address, length, MADV_POPULATE_READ) != 0:
+            raise SystemExit(f"madvise: errno {ctypes.get_errno()} (Linux older than 5.14?)")
         out["populate_ms"] = (time.perf_counter() - begin) * 1e3
+        out["populate_cpu_ms"] = (time.thread_time() - cpu) * 1e3
         out["populate_minflt"] = faults()[0] - after_load[0]
     for key in ("read", "reread"):
-        before, begin = faults(), time.perf_counter()
+        before, begin, cpu = faults(), time.perf_counter(), time.thread_time()
         total = read_all(tensors)
         out[f"{key}_ms"] = (time.perf_counter() - begin) * 1e3
+        out[f"{key}_cpu_ms"] = (time.thread_time() - cpu) * 1e3
         now = faults()
         out[f"{key}_minflt"], out[f"{key}_majflt"] = now[0] - before[0], now[1] - before[1]
     out["bytes"] = total
@@ -152,9 +170,9 @@ def main() -> int:
 
     shmem = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip()
     mounts = Path("/proc/self/mounts").read_text().splitlines()
-    mount = next((line for line in mounts if " /dev/shm " in line), "?")
+    mount = [line for line in mounts if " /dev/shm " in line][-1:] or ["?"]  # the top one
     print(machine_line())
-    print(f"  shmem_enabled: {shmem}\n  /dev/shm: {mount}")
+    print(f"  shmem_enabled: {shmem}\n  /dev/shm: {mount[0]}")
     rows: dict[str, list[dict[str, object]]] = {mode: [] for mode in modes}
     gib = args.size_gib
     with tempfile.TemporaryDirectory(prefix="wc-every-byte-") as tmp:
@@ -174,18 +192,21 @@ def main() -> int:
                         result["daemon"] = number + 1
                         rows[mode].append(result)
                         print("  " + json.dumps(result))
-    print("\nmedians, every byte read once (ms), faults per GiB:")
-    print(f"  {'mode':10} {'load':>8} {'populate':>9} {'read':>8} {'reread':>8} {'minflt/GiB':>11}")
+    print("\nmedians, ms (CPU ms of the reading thread in brackets); minor faults per GiB:")
+    print(f"  {'mode':10} {'load':>7} {'populate':>15} {'read':>15} {'reread':>15} {'flt/GiB':>8}")
     for mode, results in rows.items():
 
         def med(key: str, results: list[dict[str, object]] = results) -> float:
             values = [float(r[key]) for r in results if key in r]  # type: ignore[arg-type]
             return statistics.median(values) if values else float("nan")
 
+        def both(key: str) -> str:
+            return f"{med(f'{key}_ms'):6.1f} ({med(f'{key}_cpu_ms'):6.1f})"
+
         flt = (med("read_minflt") + (med("populate_minflt") if mode == "populate" else 0)) / gib
         print(
-            f"  {mode:10} {med('load_ms'):8.1f} {med('populate_ms'):9.1f} {med('read_ms'):8.1f}"
-            f" {med('reread_ms'):8.1f} {flt:11.0f}"
+            f"  {mode:10} {med('load_ms'):7.1f} {both('populate'):>15} {both('read'):>15}"
+            f" {both('reread'):>15} {flt:8.0f}"
         )
     return 0
 

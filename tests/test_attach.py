@@ -122,45 +122,6 @@ def test_attach_with_dtype_recipe_is_bitwise_the_disk_load(
     assert get_model(f16_daemon.socket, reply["model"]).recipe.dtype == "F16"
 
 
-def _resident_kb(address: int) -> tuple[int, int]:
-    """Size and ``Rss`` (kB) of this process's mapping that holds ``address``."""
-    inside, fields = False, dict[str, str]()
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        key, _, value = line.partition(" ")
-        if not key.endswith(":"):  # a mapping's first line: START-END PERMS ...
-            if inside:
-                break
-            start, end = (int(part, 16) for part in key.split("-"))
-            inside = start <= address < end
-        elif inside:
-            fields[key] = value
-    assert inside, f"no mapping holds {address:#x}"
-    return int(fields["Size:"].split()[0]), int(fields["Rss:"].split()[0])
-
-
-def test_populate_maps_every_page_of_an_attach_and_changes_no_byte(
-    daemons: DaemonPool, tmp_path: Path
-) -> None:
-    # 1 MiB: enough pages that the attach alone leaves most of them unmapped.
-    stored = {"w": torch.arange(1 << 18, dtype=torch.int32), "b": torch.ones(3)}
-    save_file(stored, tmp_path / "model.safetensors")
-    daemon = daemons.start([tmp_path])
-    with weightcache.load(tmp_path, socket=daemon.socket, fallback=False) as weights:
-        assert weights.source == "cache"
-        size, before = _resident_kb(weights.tensors["w"].data_ptr())
-
-        assert weights.populate() is True
-
-        assert _resident_kb(weights.tensors["w"].data_ptr()) == (size, size)
-        assert size >= 1024 > before
-        assert_bitwise_equal(weights.tensors, stored)
-    with weightcache.load(tmp_path, socket=daemon.socket, fallback=False, mode="copy") as copied:
-        assert copied.source == "cache"
-        assert copied.populate() is False
-    with weightcache.load_from_disk(tmp_path) as disk:
-        assert disk.populate() is False
-
-
 def test_two_workers_share_bytes_and_writes_stay_private(
     daemon: Daemon, workers: WorkerPool, checkpoints: Checkpoints, tmp_path: Path
 ) -> None:

@@ -34,10 +34,6 @@ from weightcache.core.errors import HandleError, ResourceExhaustedError, WeightC
 from weightcache.core.records import CudaIpcHandle, SharedMemoryHandle, ViewColumns, ViewRow
 from weightcache.core.sockets import SHM_DIR
 
-#: ``madvise(2)``'s MADV_POPULATE_READ (Linux 5.14+; Python's mmap module names it only
-#: from 3.13).
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-
 
 def _compiled() -> ModuleType | None:
     try:
@@ -58,13 +54,11 @@ class MappedArena:
         tensors: name -> tensor, each over ``base``'s storage (tied names share bytes).
         base: the whole arena as a 1-D ``uint8`` tensor.
         size: arena size in bytes.
-        mapping: the segment's private mapping (a zero-copy attach on CPU), else None.
     """
 
     tensors: dict[str, torch.Tensor]
     base: torch.Tensor
     size: int
-    mapping: mmap.mmap | None = None
     # id -> weak reference, not a WeakSet: a WeakSet compares two references to one tensor
     # with Tensor.__eq__ (elementwise), so tracking a tensor twice raised RuntimeError.
     _tracked: dict[int, weakref.ref[torch.Tensor]] = field(default_factory=dict)
@@ -82,34 +76,6 @@ class MappedArena:
         from one) when the arena is privatized on a device (nothing to do on CPU)."""
         if self._on_device:
             self._tracked[id(tensor)] = weakref.ref(tensor)
-
-    def populate(self) -> bool:
-        """Map every page of a zero-copy CPU arena into this process now, in one
-        ``madvise(2)`` (``MADV_POPULATE_READ``, Linux 5.14+), for a caller about to read
-        every byte: the read then takes no page fault. Nothing is copied; pages stay
-        shared with the daemon.
-
-        Why: the daemon's segment lives in /dev/shm, which most hosts give 4 KiB pages
-        (``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` ``never``, no ``huge=``
-        mount option), so a read of every byte takes one fault per 64 KiB (the kernel's
-        fault-around), about 16k faults per GiB, where ``load_file``'s mapping of a page
-        cache in 2 MiB folios takes about 1.2k. One populate call maps the same pages
-        without a trap per fault: on this project's VM (1 GiB, 100 tensors,
-        ``bench/every_byte.py``) the read fell from 571 ms to 186 + 172 ms. It is not
-        done by every load: a worker that reads a part of its weights would pay for all.
-
-        Returns:
-            True when populated; False when there is nothing to populate (a copy, or a
-            device arena) or the kernel refused (older than 5.14, or a sandbox): the
-            pages then fault in as they are read, as before.
-        """
-        if self.mapping is None:
-            return False
-        try:
-            self.mapping.madvise(MADV_POPULATE_READ)
-        except OSError:
-            return False
-        return True
 
     def privatize(self) -> None:
         """Give this process its own copy of the arena, under every existing view.
@@ -175,7 +141,6 @@ def open_shared_memory(
     """
     _check_path(handle.path)
     fd = _open_regular(handle.path)
-    mapping: mmap.mmap | None = None  # kept for MappedArena.populate
     try:
         info = os.fstat(fd)
         if owner is not None and info.st_uid != owner:
@@ -194,7 +159,7 @@ def open_shared_memory(
             base = torch.frombuffer(mapping, dtype=torch.uint8)
     finally:
         os.close(fd)
-    return MappedArena(tensors=build_views(base, views), base=base, size=size, mapping=mapping)
+    return MappedArena(tensors=build_views(base, views), base=base, size=size)
 
 
 #: errno values that say this process or the system ran out of something (descriptors,

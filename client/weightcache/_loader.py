@@ -242,19 +242,6 @@ class LoadedWeights:
         if self._arena is not None:
             self._arena.track(tensor)
 
-    def populate(self) -> bool:
-        """Map every page of the weights into this process now, before reading them all
-        (``MappedArena.populate``: one ``madvise(2)``, ``MADV_POPULATE_READ``, instead of
-        a page fault per 64 KiB during the read; ``bench/every_byte.py``). Worth it only
-        when every byte will be read; nothing is copied.
-
-        Returns:
-            True when populated; False for weights that are not a zero-copy attach on CPU
-            (from disk, ``mode="copy"``, a GPU) or when the kernel refused (older than
-            Linux 5.14): their pages then fault in as they are read.
-        """
-        return self._arena is not None and self._arena.populate()
-
     def close(self) -> None:
         """Be done with the weights (idempotent): end the lease, if any, unless other
         loads of this process still share it (the last of them to close ends it).
