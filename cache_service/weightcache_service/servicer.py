@@ -31,6 +31,7 @@ from weightcache.core.protocol import (
     MAX_PATH_CHARS,
     acquire_response_pb,
     acquisition_from_pb,
+    add_lease_statuses,
     check_len,
     keepalive_response_pb,
     lease_holder_pb,
@@ -45,12 +46,19 @@ from weightcache.core.protocol import (
     tensor_views_pb,
     unlinked_arena_pb,
 )
-from weightcache.core.records import Grant, TensorFormat, TensorView, WorkerDescription
+from weightcache.core.records import (
+    Grant,
+    LeaseStatus,
+    TensorFormat,
+    TensorView,
+    WorkerDescription,
+)
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_is_local, peer_is_unix
 from weightcache_service.authz import certificate_names
 from weightcache_service.cache import Outbox, WeightCache
+from weightcache_service.fair_queue import BATCH_IDS, FairQueue
 from weightcache_service.interceptors import abort
 from weightcache_service.peers import connections, holder
 from weightcache_service.refusals import RefusalLog
@@ -121,6 +129,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         #: the name its accepted connections report): they are the peers ListLeases names.
         self.socket = socket
         self.refusals = refusals or RefusalLog()
+        #: Every KeepAlive stream's renewals and answers, in fair batches (:mod:`.fair_queue`).
+        self.fair = FairQueue()
         # Per model name and tensor format: its views (the cache's own tuple) and their
         # encoding, made at the first Acquire that asks for it; dropped at Evict, remade
         # when the name holds a new model.
@@ -252,12 +262,27 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         reader = asyncio.create_task(self._read_keepalives(request_iterator, session, outbox))
         try:
             while (statuses := await outbox.get()) is not None:
-                yield keepalive_response_pb(
-                    self.cache.instance_id, statuses, hand_over=self.cache.handing_over
-                )
+                yield await self._keepalive_response(session, statuses)
         finally:
             reader.cancel()
+            self.fair.forget(session)
             self.cache.close_session(session)
+
+    async def _keepalive_response(
+        self, session: int, statuses: list[LeaseStatus]
+    ) -> pb.KeepAliveResponse:
+        """The answer naming ``statuses``, encoded in fair batches (:mod:`.fair_queue`)."""
+        response = keepalive_response_pb(
+            self.cache.instance_id, (), hand_over=self.cache.handing_over
+        )
+        # Charged nothing: the message was charged its ids when renewed, and its answer
+        # then comes next, so that renewed statuses do not wait in every stream's outbox.
+        async with self.fair.turn(session, 0) as pause:
+            for at in range(0, len(statuses), BATCH_IDS):
+                if at:
+                    await pause()
+                add_lease_statuses(response, statuses[at : at + BATCH_IDS])
+        return response
 
     async def _read_keepalives(
         self, requests: AsyncIterator[pb.KeepAliveRequest], session: int, outbox: Outbox
@@ -272,7 +297,16 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 # reading (so its sends stall) until it has taken its answers.
                 while outbox.qsize() >= MAX_PENDING_RESPONSES:
                     await asyncio.sleep(0.05)
-                outbox.put_nowait(self.cache.renew(request.lease_ids, session))
+                # Renewed in its fair turn, in batches: other RPCs are served between two, so a
+                # message of 4096 ids holds the event loop for one batch at a time.
+                ids = request.lease_ids
+                statuses: list[LeaseStatus] = []
+                async with self.fair.turn(session, len(ids)) as pause:
+                    for at in range(0, len(ids), BATCH_IDS):
+                        if at:
+                            await pause()
+                        statuses += self.cache.renew(ids[at : at + BATCH_IDS], session)
+                outbox.put_nowait(statuses)
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the peer went away; the stream's end releases its leases
         finally:
