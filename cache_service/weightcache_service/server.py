@@ -321,8 +321,15 @@ class Daemon:
         lock = SocketLock(socket)
         try:
             await asyncio.to_thread(self._adopt, socket)
-            self._clean_after_predecessor(socket)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket)  # we hold the lock: whoever bound it is gone
             server = await self._start_server(socket)
+            # Only now the scan of /dev/shm for what dead daemons left (slow on a busy host
+            # with many segments): adopted leases are renewed by KeepAlive from the moment
+            # the server starts, so that a hand-over loses none at the default TTL (issue
+            # 39). Adopted segments were renamed to this daemon's prefix already, and new
+            # ones carry it: the scan removes neither.
+            await asyncio.to_thread(self._clean_after_predecessor)
             try:
                 await self._start_listeners()
                 await self._serve(lock)
@@ -447,9 +454,7 @@ class Daemon:
             leases=sum(len(m.leases) for m in held),
         )
 
-    def _clean_after_predecessor(self, socket: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(socket)  # we hold the lock: whoever bound it is gone
+    def _clean_after_predecessor(self) -> None:
         # /dev/shm is everyone's: whatever is there is checked, and what is not ours to
         # remove is skipped and logged, never fatal (SECURITY.md).
         skipped: list[Skipped] = []
