@@ -23,7 +23,6 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, Level
@@ -768,28 +767,52 @@ class Daemon:
 #: messages ``v1`` repeats field for field under another package (grpc/grpc-proto,
 #: ``grpc/reflection/v1/reflection.proto``): the same servicer answers both.
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+#: The name grpcio-reflection serves (``reflection.SERVICE_NAME``).
+REFLECTION_V1ALPHA = "grpc.reflection.v1alpha.ServerReflection"
+#: The one method of both.
+_REFLECTION_METHODS = frozenset(
+    f"/{service}/ServerReflectionInfo" for service in (REFLECTION_V1, REFLECTION_V1ALPHA)
+)
+
+
+class _Reflection(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """Server reflection as ``grpc.reflection.v1`` (what grpcurl and current clients ask
+    first) and ``v1alpha`` (older ones), with grpcio-reflection imported at the first
+    reflection call instead of at start: it imports protobuf's ``descriptor_pb2``, about
+    0.1 s of a daemon's start on a 2-CPU VM, for a service only tools use (issue 39)."""
+
+    def __init__(self, services: tuple[str, ...]) -> None:
+        self._services = services
+        self._handler: grpc.RpcMethodHandler | None = None  # type: ignore[type-arg]
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:  # type: ignore[type-arg]
+        """The reflection method's handler, or None for any other method."""
+        if handler_call_details.method not in _REFLECTION_METHODS:
+            return None
+        if self._handler is None:
+            from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+            # reflection.aio is public (enable_server_reflection uses it), not in __all__.
+            servicer = reflection.aio.ReflectionServicer(self._services)  # type: ignore[attr-defined]
+            self._handler = grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        return self._handler
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:
-    """Serve server reflection as ``grpc.reflection.v1`` (what grpcurl and current
-    clients ask first) and ``grpc.reflection.v1alpha`` (older ones)."""
+    """Serve server reflection, v1 and v1alpha (:class:`_Reflection`)."""
     services = (
         SERVICE_NAME,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         REFLECTION_V1,
-        reflection.SERVICE_NAME,
+        REFLECTION_V1ALPHA,
     )
-    # reflection.aio is public (enable_server_reflection uses it) but not in its __all__.
-    servicer = reflection.aio.ReflectionServicer(services)  # type: ignore[attr-defined]
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo,
-        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
-    )
+    server.add_generic_rpc_handlers((_Reflection(services),))
 
 
 def _adopt_arena(segment: str, size: int, *, new_path: str, access: Access) -> SharedMemoryArena:
