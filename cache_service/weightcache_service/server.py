@@ -19,6 +19,7 @@ import signal
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -56,7 +57,6 @@ from weightcache_service.handover import (
 )
 from weightcache_service.health import Health, HealthListener
 from weightcache_service.leases import LeaseTable
-from weightcache_service.metrics import Metrics, MetricsListener
 from weightcache_service.notify import Notifier
 from weightcache_service.seed_serve import SeedServer
 from weightcache_service.segments import (
@@ -69,6 +69,9 @@ from weightcache_service.segments import (
 )
 from weightcache_service.servicer import WeightCacheServicer, register_raw_seed_data
 from weightcache_service.socket_lock import SocketLock, SocketLostError
+
+if TYPE_CHECKING:
+    from weightcache_service.metrics import MetricsListener
 from weightcache_service.store import Entry, Store
 
 log = structlog.get_logger("weightcache.daemon")
@@ -258,9 +261,13 @@ class Daemon:
         self._health_listener = (
             HealthListener(config.health_listen) if config.health_listen else None
         )
-        self._metrics_listener = (
-            MetricsListener(config.metrics_listen) if config.metrics_listen else None
-        )
+        self._metrics_listener: MetricsListener | None = None
+        if config.metrics_listen:
+            # prometheus-client only for a daemon that serves metrics: about 0.1 s of
+            # the start otherwise (issue 39, -X importtime).
+            from weightcache_service.metrics import MetricsListener
+
+            self._metrics_listener = MetricsListener(config.metrics_listen)
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._drain_deadline: float | None = None
@@ -559,6 +566,8 @@ class Daemon:
         if self._health_listener is not None:
             await self._health_listener.start(self.health, self._tcp_bound)
         if self._metrics_listener is not None:
+            from weightcache_service.metrics import Metrics
+
             metrics = Metrics(
                 self.cache, asyncio.get_running_loop(), ready=lambda: self.health.ready
             )
