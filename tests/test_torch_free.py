@@ -142,7 +142,7 @@ def test_the_torch_free_sizes_are_torchs() -> None:
     ``TORCH_DTYPES`` with their sizes."""
     from weightcache.core.dtypes import ITEMSIZES, SAFETENSORS_NAMES, TORCH_DTYPES
 
-    assert ITEMSIZES == {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
+    assert {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()} == ITEMSIZES
     assert {v: k for k, v in SAFETENSORS_NAMES.items()} == TORCH_DTYPES
 
 
