@@ -19,15 +19,18 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
-import torch
-
-from weightcache.core.dtypes import TORCH_DTYPES
+from weightcache.core.dtypes import itemsize
 from weightcache.core.errors import ResourceExhaustedError
 from weightcache.core.records import SharedMemoryHandle, StorageHandle, TensorView
 from weightcache.core.sockets import SHM_DIR
 from weightcache_service.segments import segment_name
+
+if TYPE_CHECKING:
+    # Only a computed tensor (a cast, a shard, a plugin) is written as a tensor, and its
+    # code imported torch already: a daemon that copies stored bytes never does (issue 39).
+    import torch
 
 #: ``madvise(2)``'s MADV_POPULATE_WRITE (Linux 5.14+; Python's mmap module names it only
 #: from 3.13).
@@ -82,6 +85,8 @@ def write_slot(base: torch.Tensor, slot: Slot, tensor: torch.Tensor) -> None:
     """Copy ``tensor``'s bytes into ``slot`` of an arena held as 1-D ``uint8`` ``base``."""
     if slot.nbytes == 0:
         return
+    import torch
+
     raw = tensor.contiguous().reshape(-1).view(torch.uint8)
     base[slot.byte_offset : slot.byte_offset + slot.nbytes].copy_(raw)
 
@@ -105,7 +110,7 @@ def plan_slots(specs: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[list[
     slots = []
     cursor = 0
     for name, dtype, shape in specs:
-        nbytes = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * itemsize(dtype)
         offset = align(cursor)
         slots.append(Slot(name, dtype, shape, offset, nbytes))
         cursor = offset + nbytes
@@ -157,10 +162,16 @@ class SharedMemoryArena:
         # Kept open until close(): sendfile(2) writes through it (copy_from_file).
         self._fd = fd
         self._sendfile = True
-        self._base = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._base: torch.Tensor | None = None
 
     def write(self, slot: Slot, tensor: torch.Tensor) -> None:
         """Copy ``tensor``'s bytes into its slot (dtype and shape must match the slot)."""
+        if self._base is None:
+            # Made at the first computed tensor, not at creation: the arena of a plain
+            # checkpoint is filled by copy_from_file/read_into, without torch.
+            import torch
+
+            self._base = torch.frombuffer(self._mmap, dtype=torch.uint8)
         write_slot(self._base, slot, tensor)
 
     def populate(self) -> bool:
@@ -264,7 +275,7 @@ class SharedMemoryArena:
         arena.path = new_path
         arena._fd = fd
         arena._sendfile = False  # nothing more is written into an adopted arena
-        arena._base = torch.frombuffer(arena._mmap, dtype=torch.uint8)
+        arena._base = None
         return arena
 
     def close(self, *, unlink: bool = True) -> None:
@@ -280,7 +291,7 @@ class SharedMemoryArena:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         os.close(self._fd)
-        self._base = torch.empty(0, dtype=torch.uint8)
+        self._base = None  # the tensor over the mapping exports its buffer
         try:
             self._mmap.close()
         except BufferError:

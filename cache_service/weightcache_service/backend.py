@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from weightcache.core.cuda import device_uuid, local_index
 from weightcache.core.sockets import CPU, parse_device
 from weightcache_service.access import Access
@@ -92,6 +90,8 @@ def resolve_device(device: str) -> Device:
         raise DeviceError(f"--device {device}: {exc}") from None
     if text == CPU:
         return CPU_DEVICE
+    import torch  # only for a GPU: a CPU daemon never imports torch (issue 39)
+
     if not torch.cuda.is_available():
         raise DeviceError(f"--device {device}: torch sees no CUDA/ROCm device")
     target = text.removeprefix("cuda:")
@@ -115,6 +115,8 @@ def cuda_backend(index: int) -> Backend:
 
     def make(size: int) -> Arena:
         return CudaArena(size, index)
+
+    import torch
 
     def available() -> int:
         return int(torch.cuda.mem_get_info(index)[0])

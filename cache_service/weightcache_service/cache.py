@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
+import re
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-import torch
 
 from weightcache.core import hub
 from weightcache.core.checkpoint import Checkpoint, open_checkpoint
@@ -73,6 +75,29 @@ PeerTlsFiles = tuple[str, str, str]
 
 #: What a KeepAlive session is sent: statuses of some of its leases; None ends it.
 Outbox = asyncio.Queue[list[LeaseStatus] | None]
+
+
+_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
+
+
+def torch_version() -> str:
+    """The installed torch's ``torch.__version__``, read without importing torch (issue 39:
+    a daemon serving plain checkpoints never imports it): the ``__version__`` line of the
+    ``torch/version.py`` that ``import torch`` would run (torch writes that file at build
+    time; ``torch/__init__.py`` imports ``__version__`` from it). Empty when torch is not
+    installed or the file has no such line."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return ""
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py"), encoding="utf-8") as f:
+            found = _VERSION_LINE.search(f.read(65536))
+    except OSError:
+        return ""
+    return found.group(1) if found else ""
 
 
 @dataclass
@@ -136,7 +161,7 @@ class WeightCache:
         self.start_time = time.time()
         self.environment = Environment(
             weightcache_version=__version__,
-            torch_version=torch.__version__,
+            torch_version=torch_version(),
             backend=backend.name,
             device_uuid=backend.device_uuid,
         )
@@ -596,7 +621,7 @@ class WeightCache:
         return ServerInfo(
             version=__version__,
             protocol_version=PROTOCOL_VERSION,
-            torch_version=torch.__version__,
+            torch_version=self.environment.torch_version,
             backend=self.backend.name,
             device=self.backend.device,
             device_uuid=self.backend.device_uuid,

@@ -19,11 +19,11 @@ import signal
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from weightcache.core.errors import ModelExistsError, ResourceExhaustedError, WeightCacheError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, Level
@@ -57,7 +57,6 @@ from weightcache_service.handover import (
 )
 from weightcache_service.health import Health, HealthListener
 from weightcache_service.leases import LeaseTable
-from weightcache_service.metrics import Metrics, MetricsListener
 from weightcache_service.notify import Notifier
 from weightcache_service.seed_serve import SeedServer
 from weightcache_service.segments import (
@@ -71,6 +70,9 @@ from weightcache_service.segments import (
 from weightcache_service.sendfile_serve import SendfileServer
 from weightcache_service.servicer import WeightCacheServicer, register_raw_seed_data
 from weightcache_service.socket_lock import SocketLock, SocketLostError
+
+if TYPE_CHECKING:
+    from weightcache_service.metrics import MetricsListener
 from weightcache_service.store import Entry, Store
 
 log = structlog.get_logger("weightcache.daemon")
@@ -267,9 +269,13 @@ class Daemon:
         self._health_listener = (
             HealthListener(config.health_listen) if config.health_listen else None
         )
-        self._metrics_listener = (
-            MetricsListener(config.metrics_listen) if config.metrics_listen else None
-        )
+        self._metrics_listener: MetricsListener | None = None
+        if config.metrics_listen:
+            # prometheus-client only for a daemon that serves metrics: about 0.1 s of
+            # the start otherwise (issue 39, -X importtime).
+            from weightcache_service.metrics import MetricsListener
+
+            self._metrics_listener = MetricsListener(config.metrics_listen)
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._drain_deadline: float | None = None
@@ -331,8 +337,15 @@ class Daemon:
         lock = SocketLock(socket)
         try:
             await asyncio.to_thread(self._adopt, socket)
-            self._clean_after_predecessor(socket)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket)  # we hold the lock: whoever bound it is gone
             server = await self._start_server(socket)
+            # Only now the scan of /dev/shm for what dead daemons left (slow on a busy host
+            # with many segments): adopted leases are renewed by KeepAlive from the moment
+            # the server starts, so that a hand-over loses none at the default TTL (issue
+            # 39). Adopted segments were renamed to this daemon's prefix already, and new
+            # ones carry it: the scan removes neither.
+            await asyncio.to_thread(self._clean_after_predecessor)
             try:
                 await self._start_listeners()
                 await self._serve(lock)
@@ -457,9 +470,7 @@ class Daemon:
             leases=sum(len(m.leases) for m in held),
         )
 
-    def _clean_after_predecessor(self, socket: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(socket)  # we hold the lock: whoever bound it is gone
+    def _clean_after_predecessor(self) -> None:
         # /dev/shm is everyone's: whatever is there is checked, and what is not ours to
         # remove is skipped and logged, never fatal (SECURITY.md).
         skipped: list[Skipped] = []
@@ -574,6 +585,8 @@ class Daemon:
         if self._health_listener is not None:
             await self._health_listener.start(self.health, self._tcp_bound)
         if self._metrics_listener is not None:
+            from weightcache_service.metrics import Metrics
+
             metrics = Metrics(
                 self.cache, asyncio.get_running_loop(), ready=lambda: self.health.ready
             )
@@ -784,28 +797,52 @@ class Daemon:
 #: messages ``v1`` repeats field for field under another package (grpc/grpc-proto,
 #: ``grpc/reflection/v1/reflection.proto``): the same servicer answers both.
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+#: The name grpcio-reflection serves (``reflection.SERVICE_NAME``).
+REFLECTION_V1ALPHA = "grpc.reflection.v1alpha.ServerReflection"
+#: The one method of both.
+_REFLECTION_METHODS = frozenset(
+    f"/{service}/ServerReflectionInfo" for service in (REFLECTION_V1, REFLECTION_V1ALPHA)
+)
+
+
+class _Reflection(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """Server reflection as ``grpc.reflection.v1`` (what grpcurl and current clients ask
+    first) and ``v1alpha`` (older ones), with grpcio-reflection imported at the first
+    reflection call instead of at start: it imports protobuf's ``descriptor_pb2``, about
+    0.1 s of a daemon's start on a 2-CPU VM, for a service only tools use (issue 39)."""
+
+    def __init__(self, services: tuple[str, ...]) -> None:
+        self._services = services
+        self._handler: grpc.RpcMethodHandler | None = None  # type: ignore[type-arg]
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:  # type: ignore[type-arg]
+        """The reflection method's handler, or None for any other method."""
+        if handler_call_details.method not in _REFLECTION_METHODS:
+            return None
+        if self._handler is None:
+            from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+            # reflection.aio is public (enable_server_reflection uses it), not in __all__.
+            servicer = reflection.aio.ReflectionServicer(self._services)  # type: ignore[attr-defined]
+            self._handler = grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        return self._handler
 
 
 def _enable_reflection(server: grpc.aio.Server) -> None:
-    """Serve server reflection as ``grpc.reflection.v1`` (what grpcurl and current
-    clients ask first) and ``grpc.reflection.v1alpha`` (older ones)."""
+    """Serve server reflection, v1 and v1alpha (:class:`_Reflection`)."""
     services = (
         SERVICE_NAME,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         REFLECTION_V1,
-        reflection.SERVICE_NAME,
+        REFLECTION_V1ALPHA,
     )
-    # reflection.aio is public (enable_server_reflection uses it) but not in its __all__.
-    servicer = reflection.aio.ReflectionServicer(services)  # type: ignore[attr-defined]
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo,
-        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
-    )
+    server.add_generic_rpc_handlers((_Reflection(services),))
 
 
 def _adopt_arena(segment: str, size: int, *, new_path: str, access: Access) -> SharedMemoryArena:

@@ -25,18 +25,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from weightcache.core import hub
-from weightcache.core.dtypes import SUB_BYTE, TORCH_DTYPES, itemsize
+from weightcache.core.dtypes import ITEMSIZES, SUB_BYTE, itemsize
 from weightcache.core.errors import (
     InvalidCheckpointError,
     ResourceExhaustedError,
     WeightCacheError,
 )
 from weightcache.core.timestamps import settle, vouches
+
+if TYPE_CHECKING:
+    import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -638,7 +639,7 @@ def _check_text(shard: str, what: str, text: str) -> None:
 
 
 #: safetensors dtype name -> bytes per element, for the header's byte-size check.
-_ITEMSIZE = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
+_ITEMSIZE = ITEMSIZES
 
 
 def _tensor_info(shard: str, key: str, entry: object, data_start: int) -> TensorInfo:
@@ -684,7 +685,7 @@ def _entry_error(shard: str, key: str, entry: object) -> InvalidCheckpointError:
         return InvalidCheckpointError(
             f"{where}: dtype {dtype} packs elements below a byte; weightcache does not support it"
         )
-    if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZES:
         return InvalidCheckpointError(f"{where}: unknown dtype {dtype!r}")
     if (
         not isinstance(shape, list)
@@ -754,7 +755,12 @@ class ShardReader:
         self._fd = fd
 
     def read(self, info: TensorInfo) -> torch.Tensor:
-        """A new tensor holding ``info``'s bytes, with its dtype and shape."""
+        """A new tensor holding ``info``'s bytes, with its dtype and shape (imports torch:
+        only a recipe that computes from the stored tensors reads them this way)."""
+        import torch
+
+        from weightcache.core.dtypes import TORCH_DTYPES
+
         tensor = torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
         if info.nbytes:
             self.read_into(info, tensor.reshape(-1).view(torch.uint8).numpy().data)

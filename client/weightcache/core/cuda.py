@@ -24,11 +24,14 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from weightcache.core.errors import CudaError, DeviceNotVisibleError
+
+if TYPE_CHECKING:
+    # torch is imported by each function that needs it: a CPU daemon imports this module
+    # (device UUIDs for the socket rule) and must not pay for torch (issue 39).
+    import torch
 
 IPC_HANDLE_BYTES = 64
 #: cudaIpcMemLazyEnablePeerAccess
@@ -37,11 +40,15 @@ _LAZY_PEER_ACCESS = 1
 
 def is_rocm() -> bool:
     """Whether the installed torch is a ROCm (HIP) build."""
+    import torch
+
     return getattr(torch.version, "hip", None) is not None
 
 
 def _mapped_libraries(stem: str) -> list[str]:
     """Paths of libraries named ``stem*`` already mapped into this process (Linux)."""
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.current_device()  # initializes CUDA: torch loads its runtime
     found: list[str] = []
@@ -76,6 +83,8 @@ class Runtime:
         # The copy torch already loaded first: a second copy of the runtime (another
         # version on LD_LIBRARY_PATH) would have its own contexts and handles.
         candidates = _mapped_libraries(name.removesuffix(".so"))
+        import torch
+
         torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
         candidates += sorted(glob.glob(os.path.join(torch_lib, name + "*")))
         try:
@@ -163,6 +172,8 @@ def format_uuid(raw: object) -> str:
 
 def device_uuid(index: int) -> str:
     """UUID of local device ``index`` (as this process numbers them)."""
+    import torch
+
     return format_uuid(torch.cuda.get_device_properties(index).uuid)
 
 
@@ -177,6 +188,8 @@ def local_index(uuid: str, uuids: list[str] | None = None) -> int:
         DeviceNotVisibleError: no visible device has that UUID.
     """
     if uuids is None:
+        import torch
+
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         uuids = [device_uuid(i) for i in range(count)]
     wanted = format_uuid(uuid)
@@ -211,6 +224,8 @@ def device_tensor(ptr: int, size: int, index: int, on_free: Any = None) -> torch
     owner = _DeviceBuffer(ptr, size)
     if on_free is not None:
         weakref.finalize(owner, on_free)
+    import torch
+
     tensor = torch.as_tensor(owner, device=torch.device("cuda", index))
     if tensor.data_ptr() != ptr:
         # as_tensor copies when the memory is on another device than asked: that would be
@@ -246,6 +261,8 @@ def open_ipc(raw: bytes, size: int, index: int) -> torch.Tensor:
         opened = _opened.get(raw)
         if opened is None:
             rt = runtime()
+            import torch
+
             with torch.cuda.device(index):  # restores the caller's current device after
                 rt.set_device(index)
                 opened = _opened[raw] = _Opened(rt.ipc_open(raw), 0, index)
@@ -263,6 +280,8 @@ def _release(raw: bytes) -> None:
             del _opened[raw]
             # Unmap on the device it was opened on, once the kernels queued there have
             # finished: the last view can go while a kernel still reads the mapping.
+            import torch
+
             with torch.cuda.device(opened.index):
                 torch.cuda.synchronize()
                 rt = runtime()

@@ -11,11 +11,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from weightcache.core.checkpoint import Checkpoint, ShardReader, TensorInfo
-from weightcache.core.dtypes import TORCH_DTYPES
+from weightcache.core.dtypes import itemsize
+
+if TYPE_CHECKING:
+    # Only for annotations: planning (specs, sizes) needs no torch; computing a node that
+    # is not a stored tensor (a cast, a shard, a plugin) imports it, in the code that runs.
+    import torch
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         """Size in bytes."""
-        return math.prod(self.shape) * TORCH_DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 class CheckpointReader:
@@ -67,7 +71,7 @@ class CheckpointReader:
         self._readers.clear()
 
 
-Compute = Callable[[CheckpointReader], torch.Tensor]
+Compute = Callable[[CheckpointReader], "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ def materialize(node: Node, reader: CheckpointReader) -> torch.Tensor:
         RuntimeError: a stage produced a dtype or shape other than it planned (a plugin
             bug); the weights would be wrong, so nothing is kept.
     """
+    from weightcache.core.dtypes import TORCH_DTYPES  # torch: the node computed a tensor
+
     tensor = node.compute(reader)
     expected = (TORCH_DTYPES[node.spec.dtype], node.spec.shape)
     if (tensor.dtype, tuple(tensor.shape)) != expected:

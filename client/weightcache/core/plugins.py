@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -109,6 +108,8 @@ class PluginStep:
         Raises:
             RecipeError: no entry point of that name, or it provides neither protocol.
         """
+        from importlib import metadata  # 30-60 ms: only when a recipe names a plugin
+
         found = metadata.entry_points(group=ENTRY_POINT_GROUP, name=self.name)
         if not found:
             raise RecipeError(f"no recipe plugin {self.name!r} is installed ({ENTRY_POINT_GROUP})")

@@ -21,13 +21,11 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from weightcache.core import sidefiles
+from weightcache.core import dtypes, sidefiles
 from weightcache.core.checkpoint import Checkpoint
-from weightcache.core.dtypes import CASTABLE, TORCH_DTYPES
+from weightcache.core.dtypes import CASTABLE
 from weightcache.core.errors import RecipeError
 from weightcache.core.pipeline import Node, TensorSpec, stored_nodes
 from weightcache.core.placement import Placement
@@ -44,6 +42,9 @@ __all__ = [
     "Recipe",
     "parse_dtype",
 ]
+
+if TYPE_CHECKING:
+    import torch
 
 RECIPE_NAME = "weightcache.recipe"
 RECIPE_VERSION = 2
@@ -239,8 +240,11 @@ def _config(root: Path) -> dict[str, Any]:
 def _cast(node: Node, dtype: str) -> Node:
     if node.spec.dtype not in CASTABLE or node.spec.dtype == dtype:
         return node
-    target = TORCH_DTYPES[dtype]
-    return node.derive(TensorSpec(dtype, node.spec.shape), lambda t: t.to(target))
+    # The torch dtype is looked up when the node is computed, not when it is planned: a
+    # recipe's identity and plan import no torch (issue 39).
+    return node.derive(
+        TensorSpec(dtype, node.spec.shape), lambda t: t.to(dtypes.TORCH_DTYPES[dtype])
+    )
 
 
 def parse_dtype(value: str | torch.dtype | None) -> str | None:
@@ -253,8 +257,9 @@ def parse_dtype(value: str | torch.dtype | None) -> str | None:
     """
     if value is None:
         return None
-    if isinstance(value, torch.dtype):
-        for name, dtype in TORCH_DTYPES.items():
+    if not isinstance(value, str):
+        # Only a caller holding a torch dtype gets here, so torch is already imported.
+        for name, dtype in dtypes.TORCH_DTYPES.items():
             if dtype == value and name in CASTABLE:
                 return name
         raise RecipeError(f"unsupported recipe dtype {value}")
