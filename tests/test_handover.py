@@ -18,6 +18,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -348,3 +349,36 @@ def test_a_hand_over_keeps_each_leases_create_time_worker_and_peer(
         assert kid.request("close", key="w") == {"reply": "close", "ok": True}
     wait_until(lambda: _holders(new.socket) == [], 10.0)
     assert list_models(new.socket)["single"].lease_count == 0
+
+
+def test_a_successor_that_comes_late_still_keeps_the_leases(
+    daemons: DaemonPool, children: Children, checkpoints: Checkpoints
+) -> None:
+    # Issue 39: on a loaded host a successor took 20-30 s to serve, and every lease was
+    # lost at the default TTL: the worker gave up when the lease's validity window (2/3 of
+    # the TTL) passed. No daemon can free a handed-over arena, and the successor adopts
+    # each lease with a full TTL, so the worker now waits for its answer
+    # (`_lease.HANDOVER_WAIT`). Here the successor starts after more than the whole TTL.
+    ttl = 3.0
+    expected = tensor_digest(checkpoints.tensors)
+    old = start_ready(daemons, [checkpoints.single], args=["--hand-over"])
+    kid = children.one()
+    reply = kid.load(checkpoints.single, key="w", socket=old.socket, ttl=ttl)
+    assert (reply["ok"], reply["source"]) == (True, "cache"), reply
+    assert kid.request("wait_ack", key="w", seconds=TTL)["ok"]
+    granted_by = str(reply["lease"]["instance_id"])
+
+    hand_over(old)
+    stopped = kid.request("lease", key="w")
+    # Past the lease's validity and its TTL with no daemon at all.
+    time.sleep(ttl + 1.0)  # at least this long: more only makes the point stronger
+    assert kid.request("lease", key="w")["lost"] is None, f"{stopped}\n{kid.log()}"
+
+    new = start_ready(daemons, [checkpoints.single], socket=old.socket)
+    assert "] adopted " in new.log() and "leases=1" in new.log()
+    wait_until(lambda: kid.request("lease", key="w")["instance_id"] != granted_by, TTL)
+    state = kid.request("lease", key="w")
+    assert (state["lost"], state["revoked"]) == (None, False), kid.log()
+    assert kid.request("digest", key="w")["digest"] == expected
+    assert list_models(new.socket)["single"].lease_count == 1
+    assert kid.request("close", key="w") == {"reply": "close", "ok": True}

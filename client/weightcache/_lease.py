@@ -80,6 +80,15 @@ RevokePolicy = Literal["keep", "copy", "raise", "exit"]
 REVOKE_POLICIES: tuple[RevokePolicy, ...] = ("keep", "copy", "raise", "exit")
 #: Seconds between attempts to reach the successor of a daemon that handed over.
 RECONNECT_INTERVAL = 0.1
+#: Seconds a session waits, after a daemon announced a hand-over, for its successor to
+#: answer, before the leases are lost. Meanwhile their validity window does not run: no
+#: daemon can free a handed-over arena (it waits under a hand-over name that only a
+#: successor adopts, or ``weightcache gc`` after ``HANDOVER_GRACE``, 600 s), and the
+#: successor gives every lease it adopts a full TTL from its adoption, then answers for
+#: it (ACTIVE from its new instance: kept; NOT_FOUND: lost). A restart on a loaded host
+#: (start-up 20 to 30 s has been seen) would otherwise lose every lease at the default
+#: 10 s TTL (issue 39).
+HANDOVER_WAIT = 60.0
 #: A stall of the keepalive thread at least this long (seconds) is logged.
 STALL_LOGGED = 1.0
 #: Exit status under the ``exit`` policy (EX_TEMPFAIL from sysexits.h).
@@ -173,6 +182,9 @@ class KeepAliveSession:
         self._channel, self._stub = shared(socket)
         #: The daemon announced a hand-over (KeepAliveResponse.hand_over) on this stream.
         self._handed_over = False
+        #: Clock reading until which the leases wait for a successor's first answer (after
+        #: a hand-over: :data:`HANDOVER_WAIT`), their validity not running; None otherwise.
+        self._successor_until: float | None = None
         self._thread = threading.Thread(target=self._run, name="weightcache-keepalive", daemon=True)
         self._thread.start()
 
@@ -213,9 +225,10 @@ class KeepAliveSession:
                         return
                 if self._handed_over:
                     # The daemon stopped for a restart and handed its leases over: its
-                    # successor on the same socket knows them, for as long as they are valid.
+                    # successor on the same socket adopts them with a full TTL and answers.
                     self._handed_over = False
-                    reconnect_until = self._clock() + self._validity_left()
+                    reconnect_until = self._clock() + HANDOVER_WAIT
+                    self._successor_until = reconnect_until
                     log.info("daemon handing over: reconnecting", socket=self.socket)
                 if reconnect_until is None or not self._reconnect(reconnect_until):
                     return
@@ -238,13 +251,6 @@ class KeepAliveSession:
                 continue  # the successor has not bound the socket yet
             return True
         return False
-
-    def _validity_left(self) -> float:
-        """Seconds until the last live lease's validity passes (0 without one)."""
-        with self._lock:
-            leases = list(self._leases.values())
-        now = self._clock()
-        return max((lease.last_ack + lease.validity - now for lease in leases), default=0.0)
 
     def _requests(self) -> Iterator[pb.KeepAliveRequest]:
         # Holds lease ids only, never a ClientLease: the generator's frame lives as long as
@@ -276,8 +282,11 @@ class KeepAliveSession:
         with self._lock:
             leases = list(self._leases.values())
         now = self._clock()
+        waiting = self._successor_until
         for lease in leases:
-            if now - lease.last_ack > lease.validity:
+            if waiting is not None and now > waiting:
+                self._lose(lease, f"no successor answered within {HANDOVER_WAIT:.0f} s")
+            elif waiting is None and now - lease.last_ack > lease.validity:
                 self._lose(lease, f"no keepalive acknowledgement for {lease.validity:.1f} s")
         live = [lease for lease in leases if lease.lost is None]
         interval = min((lease.ttl for lease in live), default=3.0) / 3
@@ -304,6 +313,8 @@ class KeepAliveSession:
     def _on_response(self, response: pb.KeepAliveResponse) -> None:
         now = self._clock()
         self._handed_over |= response.hand_over
+        if not response.hand_over:
+            self._successor_until = None  # a daemon answers: validity runs again
         for status in map(lease_status_from_pb, response.leases):
             with self._lock:
                 lease = self._leases.get(status.lease_id)
