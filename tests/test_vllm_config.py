@@ -82,7 +82,7 @@ def test_the_load_options_never_fall_back_inside_weightcache() -> None:
         ),
         (
             {"cpu_gemm": "onednn"},
-            "model_loader_extra_config['cpu_gemm'] must be one of ('shared', 'repacked'), "
+            "model_loader_extra_config['cpu_gemm'] must be one of ('auto', 'shared', 'repacked'), "
             "not 'onednn'",
         ),
         (

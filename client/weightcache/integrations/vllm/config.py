@@ -22,10 +22,11 @@ keys, all optional:
   model as the ``vllm`` recipe holds it (vLLM names, built on the meta device and
   installed zero-copy; ``docs/vllm.md``), then for the checkpoint's tensors;
   ``"checkpoint"`` asks only for the checkpoint's tensors;
-- ``cpu_gemm`` (``"shared"`` or ``"repacked"``): on CPU, on the vLLM-named path, whether
-  the unquantized linears run on the daemon's tensors as they are (``"shared"``: no copy
-  per engine) or on vLLM's oneDNN-repacked private copies (``"repacked"``, as vLLM's
-  default loader); default :data:`weightcache.integrations.vllm.cpu_gemm.DEFAULT`
+- ``cpu_gemm`` (``"auto"``, ``"shared"`` or ``"repacked"``): on CPU, on the vLLM-named
+  path, whether the unquantized linears run on the daemon's tensors as they are
+  (``"shared"``: no copy per engine) or on vLLM's oneDNN-repacked private copies
+  (``"repacked"``, as vLLM's default loader); default ``"auto"``: shared for a bfloat16
+  model, repacked for any other
   (:mod:`weightcache.integrations.vllm.cpu_gemm` says why, ``docs/vllm.md`` gives the
   measures).
 

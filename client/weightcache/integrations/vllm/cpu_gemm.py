@@ -26,12 +26,15 @@ checkpoint-tensor path copies into the engine's own parameters anyway):
   own fallback, ``torch.nn.functional.linear`` (no copy: each engine beyond the first
   adds no weight bytes). Other weights (convolution, MoE experts) are vLLM's choice.
 
-The default, :data:`DEFAULT`, is ``"shared"``: measured (``bench/vllm_gemm.py``, bf16, AMD
-EPYC with AVX-512 BF16, ``docs/vllm.md``), one sequence's greedy decode ran as fast on the
-shared weights as on oneDNN's packed copies (4.81 against 4.86 tokens/s, the same tokens),
-``load_model`` took 0.34 s against 1.62 s, and a second engine added 0.61 GiB of PSS
-against 1.21 GiB. Under ``ONEDNN_MAX_CPU_ISA=AVX2`` vLLM does not pack bf16: both modes
-are the same there.
+The default, ``"auto"`` (:data:`DEFAULT`), is ``"shared"`` for a bfloat16 model and
+``"repacked"`` for any other (:func:`resolve`). Measured (``bench/vllm_gemm.py``, bf16,
+AMD EPYC with AVX-512 BF16, ``docs/vllm.md``): one sequence's greedy decode ran as fast on
+the shared weights as on oneDNN's packed copies (4.81 against 4.86 tokens/s, the same
+tokens), ``load_model`` took 0.34 s against 1.62 s, and a second engine added 0.61 GiB of
+PSS against 1.21 GiB; under ``ONEDNN_MAX_CPU_ISA=AVX2`` vLLM does not pack bf16, so both
+modes are the same there. In float32, ``torch.nn.functional.linear`` and oneDNN's packed
+GEMM round differently (MiniLM's embeddings are not bitwise the default loader's), and
+float32 throughput was not measured: float32 keeps vLLM's choice.
 """
 
 from __future__ import annotations
@@ -44,18 +47,35 @@ if TYPE_CHECKING:
     import torch
 
 #: The values of ``cpu_gemm``.
-MODES = ("shared", "repacked")
+MODES = ("auto", "shared", "repacked")
 #: The default ``cpu_gemm`` (the module docstring gives the measures).
-DEFAULT = "shared"
+DEFAULT = "auto"
 #: The vLLM module whose function picks a CPU linear's kernel; its callers (linear.py,
 #: vocab_parallel_embedding.py) import the function from it when processing runs.
 _DISPATCH_MODULE = "vllm.model_executor.layers.utils"
 _DISPATCH = "dispatch_cpu_unquantized_gemm"
 
 
+def resolve(mode: str, dtype: torch.dtype) -> str:
+    """``mode``, with ``"auto"`` made ``"shared"`` for a ``torch.bfloat16`` model (the
+    measured case) and ``"repacked"`` for any other dtype.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`MODES`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"cpu_gemm must be one of {MODES}, not {mode!r}")
+    if mode != "auto":
+        return mode
+    import torch
+
+    return "shared" if dtype == torch.bfloat16 else "repacked"
+
+
 @contextlib.contextmanager
-def processing(mode: str) -> Iterator[list[str]]:
-    """Run ``process_weights_after_loading`` inside: with ``"shared"``, each unquantized
+def processing(mode: str, dtype: torch.dtype) -> Iterator[list[str]]:
+    """Run ``process_weights_after_loading`` of a ``dtype`` model inside: with ``"shared"``
+    (or ``"auto"`` resolved to it, :func:`resolve`), each unquantized
     2-D linear weight processed in the block keeps its tensor (the daemon's, zero-copy)
     and runs ``torch.nn.functional.linear``; with ``"repacked"``, nothing changes.
 
@@ -69,10 +89,8 @@ def processing(mode: str) -> Iterator[list[str]]:
     Raises:
         ValueError: ``mode`` is not one of :data:`MODES`.
     """
-    if mode not in MODES:
-        raise ValueError(f"cpu_gemm must be one of {MODES}, not {mode!r}")
     kept: list[str] = []
-    if mode == "repacked":
+    if resolve(mode, dtype) == "repacked":
         yield kept
         return
     import importlib

@@ -222,7 +222,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             # Refuses a model with a tensor the daemon does not hold (the caller falls back),
             # rather than give it uninitialized memory as vLLM's IpcModelLoader does.
             installed = install(model, weights.tensors)
-            with cpu_gemm.processing(self.config.cpu_gemm) as shared:
+            with cpu_gemm.processing(self.config.cpu_gemm, model_config.dtype) as shared:
                 process_weights_after_loading(model, model_config, device)
         if shared:
             logger.info(
