@@ -30,6 +30,7 @@ def test_every_key_is_read() -> None:
         "fallback": False,
         "wait_timeout": 5,
         "recipe": "checkpoint",
+        "cpu_gemm": "repacked",
     }
     assert set(extra) == set(KEYS)
     config = VllmLoaderConfig.parse(extra)
@@ -40,6 +41,7 @@ def test_every_key_is_read() -> None:
         fallback=False,
         wait_timeout=5.0,
         recipe="checkpoint",
+        cpu_gemm="repacked",
     )
 
 
@@ -77,6 +79,11 @@ def test_the_load_options_never_fall_back_inside_weightcache() -> None:
         (
             {"recipe": "raw"},
             "model_loader_extra_config['recipe'] must be one of ('vllm', 'checkpoint')",
+        ),
+        (
+            {"cpu_gemm": "onednn"},
+            "model_loader_extra_config['cpu_gemm'] must be one of ('auto', 'shared', 'repacked'), "
+            "not 'onednn'",
         ),
         (
             {"sock": "/x"},

@@ -150,6 +150,20 @@ def installed(run: EngineRun) -> bool:
     return any(INSTALLED_LINE in line for line in run.log.splitlines())
 
 
+SHARED_LINE = "weightcache: cpu_gemm=shared: on the daemon's tensors, torch.nn.functional.linear, "
+
+
+def shared_linears(run: EngineRun) -> int:
+    """How many linears the loader logged it kept on the daemon's tensors (``cpu_gemm``
+    ``"shared"``); 0 when it logged none."""
+    counts = [
+        int(line.split(SHARED_LINE, 1)[1].split()[0])
+        for line in run.log.splitlines()
+        if SHARED_LINE in line
+    ]
+    return sum(counts)
+
+
 def skipped_reasons(run: EngineRun) -> list[str]:
     """The reason codes of the vLLM-named path's refusals, in order."""
     return [

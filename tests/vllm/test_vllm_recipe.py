@@ -32,6 +32,7 @@ from tests.vllm.support import (
     installed,
     run_engine,
     shadow_vllm_version,
+    shared_linears,
     skipped_reasons,
 )
 from weightcache.core.errors import FingerprintMismatchError, RecipeError
@@ -111,6 +112,30 @@ def test_llama_generates_the_default_loaders_tokens_on_the_daemons_tensors(
     assert_on_the_segment(run, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"])
     # The engine held its lease while it ran; its exit ended it.
     assert {m.name: m.lease_count for m in list_models(held.socket)}["tiny-llama"] == 0
+
+
+#: The tiny Llama's weights that vLLM's CPU processing hands to its GEMM dispatch (vLLM's
+#: names): the linears, the LM head and the input embedding (``UnquantizedEmbeddingMethod``
+#: processes both); in float32 each gets an engine-private oneDNN copy, unless
+#: ``cpu_gemm: shared`` keeps them.
+LINEARS = [
+    f"model.layers.{i}.{name}.weight"
+    for i in range(2)
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+] + ["lm_head.weight", "model.embed_tokens.weight"]
+
+
+def test_cpu_gemm_shared_runs_every_linear_on_the_daemons_tensors(
+    held: Daemon, llama: Path, llama_default: EngineRun, tmp_path: Path
+) -> None:
+    extra = {"socket": held.socket, "cpu_gemm": "shared"}
+    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "out.pt", extra)
+
+    assert installed(run), run.log[-4000:]
+    # No linear was repacked: each weight is still the daemon's tensor, whole.
+    assert shared_linears(run) == len(LINEARS)
+    assert_on_the_segment(run, LINEARS)
+    assert run.result["token_ids"] == llama_default.result["token_ids"]
 
 
 def test_minilm_embeds_as_the_default_loader_on_the_daemons_tensors(

@@ -21,7 +21,14 @@ keys, all optional:
 - ``recipe`` (``"vllm"`` or ``"checkpoint"``): ``"vllm"`` (default) asks first for the
   model as the ``vllm`` recipe holds it (vLLM names, built on the meta device and
   installed zero-copy; ``docs/vllm.md``), then for the checkpoint's tensors;
-  ``"checkpoint"`` asks only for the checkpoint's tensors.
+  ``"checkpoint"`` asks only for the checkpoint's tensors;
+- ``cpu_gemm`` (``"auto"``, ``"shared"`` or ``"repacked"``): on CPU, on the vLLM-named
+  path, whether the unquantized linears run on the daemon's tensors as they are
+  (``"shared"``: no copy per engine) or on vLLM's oneDNN-repacked private copies
+  (``"repacked"``, as vLLM's default loader); default ``"auto"``: shared for a bfloat16
+  model, repacked for any other
+  (:mod:`weightcache.integrations.vllm.cpu_gemm` says why, ``docs/vllm.md`` gives the
+  measures).
 
 An unknown key or a value of the wrong type is a ``ValueError`` naming it, raised when
 vLLM builds the loader (before any weight is read).
@@ -38,9 +45,18 @@ from weightcache._options import LoadOptions
 from weightcache.core.errors import RecipeError
 from weightcache.core.fingerprint import DEFAULT_LEVEL, LEVELS, Level
 from weightcache.core.recipe import Recipe, parse_dtype
+from weightcache.integrations.vllm import cpu_gemm
 
 #: Every key of ``model_loader_extra_config`` the loader reads.
-KEYS = ("socket", "dtype", "fingerprint_level", "fallback", "wait_timeout", "recipe")
+KEYS = (
+    "socket",
+    "dtype",
+    "fingerprint_level",
+    "fallback",
+    "wait_timeout",
+    "recipe",
+    "cpu_gemm",
+)
 #: The default ``wait_timeout`` without ``fallback``, in seconds: vLLM's ``ipc_cache``
 #: waits as long for its daemon (``state_timeout_s``).
 WAIT_WITHOUT_FALLBACK = 300.0
@@ -58,6 +74,7 @@ class VllmLoaderConfig:
     fallback: bool = True
     wait_timeout: float = 0.0
     recipe: str = "vllm"
+    cpu_gemm: str = cpu_gemm.DEFAULT
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> VllmLoaderConfig:
@@ -87,6 +104,12 @@ class VllmLoaderConfig:
             raise ValueError(
                 f"model_loader_extra_config['recipe'] must be one of {RECIPES}, not {recipe!r}"
             )
+        gemm = extra.get("cpu_gemm", cpu_gemm.DEFAULT)
+        if gemm not in cpu_gemm.MODES:
+            raise ValueError(
+                f"model_loader_extra_config['cpu_gemm'] must be one of {cpu_gemm.MODES}, "
+                f"not {gemm!r}"
+            )
         return cls(
             socket=_optional_str(extra, "socket"),
             dtype=_dtype(extra),
@@ -94,6 +117,7 @@ class VllmLoaderConfig:
             fallback=fallback,
             wait_timeout=_seconds(extra, "wait_timeout", default_wait),
             recipe=recipe,
+            cpu_gemm=gemm,
         )
 
     def vllm_options(self, recipe: Recipe, tp_rank: int, tp_size: int) -> LoadOptions:

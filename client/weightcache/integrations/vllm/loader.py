@@ -60,6 +60,7 @@ from weightcache.core.errors import (
 from weightcache.core.plugins import PluginStep
 from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.sockets import default_socket
+from weightcache.integrations.vllm import cpu_gemm
 from weightcache.integrations.vllm.config import VllmLoaderConfig
 from weightcache.integrations.vllm.install import InstallError, install
 from weightcache.integrations.vllm.recipe import (
@@ -89,6 +90,8 @@ _HUB_PATTERNS = ["*.safetensors", "*.json"]
 #: The log line of the vLLM-named path's success, and of its refusal (then the next path).
 INSTALLED_LINE = "weightcache: installed "
 SKIPPED_LINE = "weightcache: no vLLM-named model, using the checkpoint's tensors: reason="
+#: The log line of ``cpu_gemm`` ``"shared"``: how many linears run on the daemon's tensors.
+SHARED_LINE = "weightcache: cpu_gemm=shared: on the daemon's tensors, torch.nn.functional.linear, "
 #: The attribute of a model installed from the daemon that keeps its weights' lease.
 WEIGHTS_ATTRIBUTE = "_weightcache_weights"
 #: Seconds the daemon has to describe a held model that differs (GetModel).
@@ -219,7 +222,12 @@ class WeightcacheModelLoader(BaseModelLoader):
             # Refuses a model with a tensor the daemon does not hold (the caller falls back),
             # rather than give it uninitialized memory as vLLM's IpcModelLoader does.
             installed = install(model, weights.tensors)
-            process_weights_after_loading(model, model_config, device)
+            with cpu_gemm.processing(self.config.cpu_gemm, model_config.dtype) as shared:
+                process_weights_after_loading(model, model_config, device)
+        if shared:
+            logger.info(
+                "%s%d linears: %s", SHARED_LINE, len(shared), ", ".join(sorted(set(shared)))
+            )
         # The lease (and, on a GPU, the daemon's memory) must last as long as the model.
         object.__setattr__(model, WEIGHTS_ATTRIBUTE, weights)
         logger.debug(
