@@ -566,7 +566,7 @@ def _from_disk(
 @dataclass
 class _Wait:
     """One wait of ``timeout`` seconds, shared by the steps of a load that wait: it starts
-    when the first of them waits (:meth:`ends`), and ends once for all."""
+    when the first of them sleeps (:meth:`start`), and ends once for all."""
 
     timeout: float
     ends_at: float | None = None
