@@ -563,6 +563,24 @@ def _from_disk(
     )
 
 
+@dataclass
+class _Wait:
+    """One wait of ``timeout`` seconds, shared by the steps of a load that wait: it starts
+    when the first of them sleeps (:meth:`start`), and ends once for all."""
+
+    timeout: float
+    ends_at: float | None = None
+
+    def left(self) -> float:
+        """Seconds left to wait: all of ``timeout`` until the wait has started."""
+        return self.timeout if self.ends_at is None else self.ends_at - time.monotonic()
+
+    def start(self) -> None:
+        """Start the clock, unless it runs already (a step that is about to sleep)."""
+        if self.ends_at is None:
+            self.ends_at = time.monotonic() + self.timeout
+
+
 @dataclass(frozen=True)
 class _Attach:
     """How to attach: the options of :func:`load` that concern the daemon."""
@@ -576,6 +594,9 @@ class _Attach:
     on_lost: LostCallback | None
     on_revoke: RevokePolicy
     trusted: frozenset[int]
+    #: The load's one wait: the socket's wait and the Acquire's share ``wait_timeout``,
+    #: from the first of them (not in the sharing key); None: each waits its own.
+    wait: _Wait | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def of(cls, options: LoadOptions) -> _Attach:
@@ -596,7 +617,12 @@ class _Attach:
             on_lost=options.on_lease_lost,
             on_revoke=options.on_revoke,
             trusted=trusted_uids(options.trusted_uid),
+            wait=_Wait(options.wait_timeout),
         )
+
+    def _wait(self) -> _Wait:
+        """The load's wait (a fresh one for an attach made without it)."""
+        return self.wait if self.wait is not None else _Wait(self.wait_timeout)
 
     def run(self, checkpoint: Checkpoint, fp: Fingerprint) -> LoadedWeights:
         """Acquire the model whose fingerprint is ``fp`` and map it.
@@ -676,7 +702,7 @@ class _Attach:
             return self._join(held, owner, checkpoint)
         request.request_id = uuid.uuid4().hex
         reply = _acquire_with_wait(
-            self.socket, request, self.wait_timeout, wait_for_daemon=self.wait_for_daemon
+            self.socket, request, self._wait(), wait_for_daemon=self.wait_for_daemon
         )
         lease = lease_from_pb(reply.lease)
         lease_id = lease.lease_id
@@ -787,15 +813,16 @@ class _Attach:
                 may connect to.
             UntrustedSocketError: the socket's owner is not trusted.
         """
-        deadline = time.monotonic() + (self.wait_timeout if self.wait_for_daemon else 0.0)
+        wait = self._wait()
         while True:
             try:
                 return check_socket(self.socket, self.trusted)
             except PermissionError as exc:
                 raise DaemonUnavailableError(socket_denied(self.socket, exc.strerror)) from None
             except FileNotFoundError:
-                if time.monotonic() + RETRY_INTERVAL > deadline:
+                if not self.wait_for_daemon or wait.left() < RETRY_INTERVAL:
                     raise DaemonUnavailableError(no_socket(self.socket)) from None
+                wait.start()
                 time.sleep(RETRY_INTERVAL)
 
     def _map(
@@ -857,20 +884,20 @@ def _acquire_request(
 
 
 def _acquire_with_wait(
-    socket: str, request: pb.AcquireRequest, wait_timeout: float, *, wait_for_daemon: bool
+    socket: str, request: pb.AcquireRequest, wait: _Wait, *, wait_for_daemon: bool
 ) -> pb.AcquireResponse:
-    deadline = time.monotonic() + wait_timeout
     logged = False
     while True:
         # The daemon counts a MODEL_LOADING this attempt will wait out as "waiting", not
         # as a refusal (weightcache_acquires_total): false for the last attempt.
-        request.asks_again_if_loading = time.monotonic() + RETRY_INTERVAL <= deadline
+        request.asks_again_if_loading = wait.left() >= RETRY_INTERVAL
         try:
             return _acquire_once(socket, request)
         except (ModelLoadingError, DaemonUnavailableError) as err:
             waiting = isinstance(err, ModelLoadingError) or wait_for_daemon
-            if not waiting or time.monotonic() + RETRY_INTERVAL > deadline:
+            if not waiting or wait.left() < RETRY_INTERVAL:
                 raise
+            wait.start()
             if not logged:
                 log.info("waiting", reason=err.reason, detail=err.detail)
                 logged = True

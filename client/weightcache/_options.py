@@ -65,7 +65,8 @@ class LoadOptions:
             (``weightcache_service.leases.DEFAULT_TTL``, 10 s). The daemon clamps it; the
             lease keeps the TTL granted.
         wait_timeout: seconds, >= 0 (default 30.0), to wait for a model the daemon is
-            still loading (and, without ``fallback``, for the daemon to come up).
+            still loading (and, without ``fallback``, for the daemon to come up): one
+            wait for the whole load, from the first time it waits.
         lease_policy: ``"raise"``, ``"exit"`` or ``"ignore"`` when the lease is lost; None
             (default) picks the backend's: ``"ignore"`` for shared memory, ``"exit"`` for
             CUDA zero-copy. See :mod:`weightcache._lease`.

@@ -75,14 +75,18 @@ def run_engine(
     *,
     dtype: str = "float32",
     hf_overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> EngineRun:
     """Run ``python -m weightcache.testing.vllm_engine`` and return what it saved
-    (``hf_overrides``: vLLM's, over the model's ``config.json``).
+    (``hf_overrides``: vLLM's, over the model's ``config.json``; ``env``: variables set
+    for it).
 
     Raises:
         EngineError: it exited non-zero or ran over :data:`ENGINE_TIMEOUT`.
     """
-    done = _engine(model, task, load_format, out, extra or {}, dtype=dtype, overrides=hf_overrides)
+    done = _engine(
+        model, task, load_format, out, extra or {}, dtype=dtype, overrides=hf_overrides, env=env
+    )
     log = done.stdout + done.stderr
     if done.returncode != 0:
         raise EngineError(f"engine exited {done.returncode}:\n{log[-6000:]}")
@@ -117,6 +121,7 @@ def _engine(
     *,
     dtype: str = "float32",
     overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "weightcache.testing.vllm_engine", str(model)]
     command += ["--task", task, "--load-format", load_format, "--out", str(out)]
@@ -126,7 +131,7 @@ def _engine(
     # must end them all, not just the engine's first process.
     with subprocess.Popen(
         command,
-        env=child_env(),
+        env=child_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -22,8 +22,10 @@ from tests.vllm.support import (
     ENGINE_TIMEOUT,
     EngineRun,
     cast_copy,
+    recording_python,
     run_engine,
     run_engine_failing,
+    skipped_reasons,
 )
 from weightcache.testing import DaemonPool
 from weightcache.testing.daemon import child_env, list_models
@@ -133,11 +135,22 @@ def test_without_a_daemon_the_default_loader_loads_and_the_reason_is_logged(
     daemons: DaemonPool, llama: Path, llama_default: EngineRun, tmp_path: Path
 ) -> None:
     extra = {"socket": daemons.socket("absent")}  # no daemon was started there
-    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "out.pt", extra)
+    # Issue 38: the engine computes the vllm recipe's identity and runs no export (that
+    # is the daemon's): vLLM's interpreter, a wrapper recording its runs, is never started
+    # (the engine's own vllm.__version__ names the version), and no export's temporary
+    # folder appears.
+    python, runs = recording_python(tmp_path / "python")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"WEIGHTCACHE_VLLM_PYTHON": str(python), "TMPDIR": str(scratch)}
+    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "out.pt", extra, env=env)
 
-    assert run.fallback_reasons() == ["DAEMON_UNAVAILABLE"], run.log[-4000:]
+    assert skipped_reasons(run) == ["DAEMON_UNAVAILABLE"], run.log[-4000:]
+    assert run.fallback_reasons() == ["DAEMON_UNAVAILABLE"]
     assert not run.attached()
     assert run.result["token_ids"] == llama_default.result["token_ids"]
+    assert not runs.exists()
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("weightcache-vllm-")] == []
 
 
 def test_a_fingerprint_mismatch_falls_back_to_the_default_loader(

