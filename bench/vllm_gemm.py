@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_load import pss, start_daemon, wait_ready, write_model
+from vllm_load import bench_model, pss, start_daemon, wait_ready
 
 MODES = ("auto", "repacked", "shared")
 PROMPT = "the quick brown fox jumps over the lazy dog and"
@@ -137,10 +137,7 @@ def main() -> None:
 
 
 def run(tmp: Path, args: argparse.Namespace) -> None:
-    sockets = tmp / "s"
-    sockets.mkdir(mode=0o700)
-    model = write_model(tmp / "llama", args.layers, args.dtype)
-    nbytes = (model / "model.safetensors").stat().st_size
+    sockets, model, nbytes = bench_model(tmp, args.layers, args.dtype)
     print(
         f"model: {args.layers} layers, {nbytes / 2**30:.2f} GiB {args.dtype}; {os.cpu_count()} CPUs"
     )

@@ -84,6 +84,15 @@ def write_model(folder: Path, layers: int, dtype: str) -> Path:
     return write_llama(folder, replace(MEDIUM, num_hidden_layers=layers), dtype=dtype)
 
 
+def bench_model(tmp: Path, layers: int, dtype: str) -> tuple[Path, Path, int]:
+    """In ``tmp``: a folder for the daemons' sockets (mode 0700), the benchmark's model
+    (:func:`write_model`) and its size in bytes."""
+    sockets = tmp / "s"
+    sockets.mkdir(mode=0o700)
+    model = write_model(tmp / "llama", layers, dtype)
+    return sockets, model, (model / "model.safetensors").stat().st_size
+
+
 def pss(pid: int) -> int:
     """The process's proportional set size in bytes (``/proc/PID/smaps_rollup``)."""
     with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
@@ -182,10 +191,7 @@ def main() -> None:
 
 
 def run(tmp: Path, args: argparse.Namespace) -> None:
-    sockets = tmp / "s"
-    sockets.mkdir(mode=0o700)
-    model = write_model(tmp / "llama", args.layers, args.dtype)
-    nbytes = (model / "model.safetensors").stat().st_size
+    sockets, model, nbytes = bench_model(tmp, args.layers, args.dtype)
     print(f"model: {args.layers} layers, {nbytes / 1e9:.2f} GB {args.dtype}; {os.cpu_count()} CPUs")
     raw_sock, vllm_sock = str(sockets / "raw.sock"), str(sockets / "vllm.sock")
     daemons = [start_daemon(model, raw_sock, [])]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_load import start_daemon, wait_ready, workers, write_model
+from vllm_load import bench_model, start_daemon, wait_ready, workers
 
 CASES = ("none", "mismatch", "auto")
 
@@ -46,10 +46,7 @@ def main() -> None:
 
 
 def run(tmp: Path, args: argparse.Namespace) -> None:
-    sockets = tmp / "s"
-    sockets.mkdir(mode=0o700)
-    model = write_model(tmp / "llama", args.layers, args.dtype)
-    nbytes = (model / "model.safetensors").stat().st_size
+    sockets, model, nbytes = bench_model(tmp, args.layers, args.dtype)
     print(f"model: {args.layers} layers, {nbytes / 1e6:.0f} MB {args.dtype}; {os.cpu_count()} CPUs")
     other = "float32" if args.dtype != "float32" else "bfloat16"
     held = str(sockets / "held.sock")
