@@ -130,3 +130,40 @@ def test_a_stream_naming_few_ids_is_served_before_waiting_floods() -> None:
         "flood-1 renew",
         "flood-2 renew",
     ]
+
+
+def test_a_stream_naming_many_ids_is_not_starved_by_lighter_floods() -> None:
+    # Issue 37 review: a message's place was fixed when it was queued, so streams that
+    # keep sending messages of a few hundred ids were always ahead of one that names more
+    # (its leases would expire). Its usage now decays while it waits (`_priority`).
+    async def served() -> list[str]:
+        now = [0.0]
+        fair = FairQueue(clock=lambda: now[0])
+        order: list[str] = []
+        holding = asyncio.Event()
+        release = asyncio.Event()
+
+        async def work(flow: str, cost: int, name: str) -> None:
+            async with fair.turn(flow, cost):
+                order.append(name)
+                if name == "light-0 renew":
+                    holding.set()
+                    await release.wait()
+
+        first = asyncio.create_task(work("light-0", 256, "light-0 renew"))
+        await holding.wait()
+        heavy = asyncio.create_task(work("heavy", 600, "heavy renew"))
+        await asyncio.sleep(0)
+        now[0] = 3.0  # 3 half-lives later: the heavy stream's 600 ids count as 75
+        lights = [asyncio.create_task(work(f"light-{i}", 256, f"light-{i} renew")) for i in (1, 2)]
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(first, heavy, *lights)
+        return order
+
+    assert asyncio.run(served()) == [
+        "light-0 renew",
+        "heavy renew",
+        "light-1 renew",
+        "light-2 renew",
+    ]

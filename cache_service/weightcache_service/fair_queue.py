@@ -11,7 +11,9 @@ a time, and other clients waited behind it (another client's ``GetServerInfo``: 
 :data:`BATCH_IDS` ids, and serves next the waiting message whose stream (a *flow*) renewed
 the fewest ids lately, this message's included: each flow's ids, decaying by half every
 :data:`HALF_LIFE` seconds (least attained service, as in CPU schedulers that favour tasks
-which used little of the CPU lately). A stream that sends a few ids every TTL/3 (a
+which used little of the CPU lately); a message's usage goes on decaying while it waits
+(:func:`_priority`), so none waits for ever behind streams that keep flooding, and an
+answer goes before a message of the same usage. A stream that sends a few ids every TTL/3 (a
 worker) is thus served right after the message in progress, however many streams another
 peer floods with, and flooding streams share what is left in turn. (Fair queuing by start
 tags, tried first, made a light message wait behind one message of every flooding stream:
@@ -54,16 +56,21 @@ class FairQueue:
     Args:
         share: the most of the loop's time the batches take (0 < share <= 1): after a
             batch of ``t`` seconds the next one starts ``t * (1 - share) / share`` later.
+        clock: monotonic seconds, for the usage's decay (injectable for tests).
+
+    Raises:
+        ValueError: ``share`` outside (0, 1].
     """
 
-    def __init__(self, share: float = SHARE) -> None:
+    def __init__(self, share: float = SHARE, clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], not {share}")
+        self._clock = clock
         self._rest = (1 - share) / share
         #: Per flow: the ids it was charged, decayed to the time beside them, and the
         #: ids of its last message.
         self._usage: dict[Hashable, tuple[float, float, int]] = {}
-        self._waiting: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._waiting: list[tuple[float, int, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
         self._busy = False
 
@@ -81,7 +88,8 @@ class FairQueue:
         key = self._charge(flow, cost)
         if self._busy or self._waiting:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (key, next(self._order), waiter))
+            entry = (_priority(key, self._clock()), 1 if cost else 0, next(self._order), waiter)
+            heapq.heappush(self._waiting, entry)
             try:
                 await waiter
             except asyncio.CancelledError:
@@ -112,7 +120,7 @@ class FairQueue:
         that names thousands of ids waits behind one that names a few. With ``cost`` 0 (an
         answer), its usage without the ids last charged: the answer to a flooding stream's
         message comes after light streams' renewals, before other flooding messages."""
-        now = time.monotonic()
+        now = self._clock()
         used, at, last = self._usage.get(flow, (0.0, now, 0))
         used *= math.pow(0.5, (now - at) / HALF_LIFE)
         if not cost:
@@ -123,8 +131,19 @@ class FairQueue:
     def _next(self) -> None:
         """Hand the turn to the waiting message of the least usage, if any."""
         while self._waiting:
-            _, _, waiter = heapq.heappop(self._waiting)
+            *_, waiter = heapq.heappop(self._waiting)
             if not waiter.done():  # not cancelled meanwhile
                 waiter.set_result(None)
                 return
         self._busy = False
+
+
+def _priority(key: float, now: float) -> float:
+    """A message's place in the queue, given its flow's usage ``key`` when queued at clock
+    ``now``: the usage goes on decaying while the message waits (a waiting flow renews
+    nothing). At any later time ``t``, ``key * 2 ** -((t - now) / HALF_LIFE)`` orders
+    waiters as ``log2(key) + now / HALF_LIFE`` does, whatever ``t``, so the heap keeps its
+    order: a stream that named many ids is served once its usage has decayed below what
+    the flooding streams keep adding (at most ``log2(key / BATCH_IDS)`` half-lives later),
+    never starved by them. A usage of 0 goes first."""
+    return now / HALF_LIFE + math.log2(key) if key > 0 else -math.inf

@@ -80,8 +80,9 @@ RevokePolicy = Literal["keep", "copy", "raise", "exit"]
 REVOKE_POLICIES: tuple[RevokePolicy, ...] = ("keep", "copy", "raise", "exit")
 #: Seconds between attempts to reach the successor of a daemon that handed over.
 RECONNECT_INTERVAL = 0.1
-#: Seconds a session waits, after a daemon announced a hand-over, for its successor to
-#: answer, before the leases are lost. Meanwhile their validity window does not run: no
+#: Seconds a session waits at least (longer where a lease's validity left is longer),
+#: after a daemon announced a hand-over, for its successor to answer, before the leases
+#: are lost. Meanwhile their validity window does not run: no
 #: daemon can free a handed-over arena (it waits under a hand-over name that only a
 #: successor adopts, or ``weightcache gc`` after ``HANDOVER_GRACE``, 600 s), and the
 #: successor gives every lease it adopts a full TTL from its adoption, then answers for
@@ -227,7 +228,7 @@ class KeepAliveSession:
                     # The daemon stopped for a restart and handed its leases over: its
                     # successor on the same socket adopts them with a full TTL and answers.
                     self._handed_over = False
-                    reconnect_until = self._clock() + HANDOVER_WAIT
+                    reconnect_until = self._clock() + max(HANDOVER_WAIT, self._validity_left())
                     self._successor_until = reconnect_until
                     log.info("daemon handing over: reconnecting", socket=self.socket)
                 if reconnect_until is None or not self._reconnect(reconnect_until):
@@ -251,6 +252,13 @@ class KeepAliveSession:
                 continue  # the successor has not bound the socket yet
             return True
         return False
+
+    def _validity_left(self) -> float:
+        """Seconds until the last live lease's validity passes (0 without one)."""
+        with self._lock:
+            leases = list(self._leases.values())
+        now = self._clock()
+        return max((lease.last_ack + lease.validity - now for lease in leases), default=0.0)
 
     def _requests(self) -> Iterator[pb.KeepAliveRequest]:
         # Holds lease ids only, never a ClientLease: the generator's frame lives as long as
@@ -285,7 +293,7 @@ class KeepAliveSession:
         waiting = self._successor_until
         for lease in leases:
             if waiting is not None and now > waiting:
-                self._lose(lease, f"no successor answered within {HANDOVER_WAIT:.0f} s")
+                self._lose(lease, "no successor answered after the hand-over")
             elif waiting is None and now - lease.last_ack > lease.validity:
                 self._lose(lease, f"no keepalive acknowledgement for {lease.validity:.1f} s")
         live = [lease for lease in leases if lease.lost is None]
@@ -313,8 +321,6 @@ class KeepAliveSession:
     def _on_response(self, response: pb.KeepAliveResponse) -> None:
         now = self._clock()
         self._handed_over |= response.hand_over
-        if not response.hand_over:
-            self._successor_until = None  # a daemon answers: validity runs again
         for status in map(lease_status_from_pb, response.leases):
             with self._lock:
                 lease = self._leases.get(status.lease_id)
@@ -335,6 +341,10 @@ class KeepAliveSession:
                 self._revoke(lease, keep=status.revoke_deadline is None)
             else:
                 self._lose(lease, "the daemon no longer knows the lease")
+        if not response.hand_over:
+            # A daemon answered (after the statuses above renewed what it knows): the
+            # leases' validity runs again.
+            self._successor_until = None
 
     def _revoke(self, lease: ClientLease, *, keep: bool) -> None:
         """Handle REVOKING under the lease's ``on_revoke``; ``keep``: the daemon frees
