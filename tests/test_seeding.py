@@ -966,7 +966,27 @@ def test_a_data_connection_needs_a_fresh_secret_of_its_lease(
         "no valid secret",
         "no hello in time",
         f"the ranges asked pass the {size}-byte arena or its size in all",
-        "the transfer lease ended (released, expired, or revoked by an evict or a drain): "
-        "begin the seed again",
+        "no valid secret",  # EndSeed dropped the lease's unused secrets
     ]
     assert (model.source, seeded["plane"]) == (f"peer {link.a_ip}:{PORT}", "tcp")
+
+
+def test_the_data_port_on_ipv6s_unspecified_address_takes_ipv4_peers_as_grpc_does() -> None:
+    # Review of issue 40: asyncio's start_server makes an IPv6 socket IPv6-only, while
+    # gRPC's `--listen [::]:P` takes IPv4 peers too: their BeginSeed worked, their data
+    # connection was refused. The data port is now dual-stack there, and an IPv4 peer's
+    # address compares equal whichever way it arrives.
+    import socket
+
+    from weightcache_service.sendfile_serve import _listening_socket, peer_address, plain_address
+
+    listener = _listening_socket("::", 0)
+    assert listener is not None and _listening_socket("127.0.0.1", 0) is None
+    listener.listen()
+    with listener, socket.create_connection(("127.0.0.1", listener.getsockname()[1]), 5):
+        accepted, (host, *_rest) = listener.accept()
+        accepted.close()
+    assert (host, plain_address(host)) == ("::ffff:127.0.0.1", "127.0.0.1")
+    assert peer_address("ipv6:%5B::ffff:10.0.0.2%5D:5000") == "10.0.0.2"
+    assert peer_address("ipv4:10.0.0.2:5000") == plain_address("10.0.0.2") == "10.0.0.2"
+    assert plain_address("fd00::2") == "fd00::2"

@@ -21,11 +21,13 @@ lease and the peer's address) and, with the seeder's sha256 check, what is made 
 What it does not: confidentiality on the wire (plaintext TCP): ``--seed-plane grpc`` keeps
 every byte inside TLS (SECURITY.md, "Seeding").
 
-Bounds (:mod:`.sendfile_serve`): connections awaiting their hello (:data:`MAX_PENDING`),
-streams per peer and in all (shared with ReadSeedData: :data:`.seed_serve.MAX_STREAMS_PER_PEER`,
-:data:`.seed_serve.MAX_STREAMS`), a send that makes no progress for
-:data:`SEND_STALL_TIMEOUT` seconds, and the lease checked (and renewed) before every
-:data:`SEND_CHUNK` bytes, so an evict or a drain ends a transfer within one chunk.
+Bounds (:mod:`.sendfile_serve`): connections awaiting their hello (:data:`MAX_PENDING`,
+:data:`MAX_PENDING_PER_ADDRESS` from one address), streams per peer and in all (shared
+with ReadSeedData: :data:`.seed_serve.MAX_STREAMS_PER_PEER`, :data:`.seed_serve.MAX_STREAMS`),
+each :data:`SEND_CHUNK` that does not leave within :data:`SEND_STALL_TIMEOUT` seconds, and
+the lease checked (and renewed) before every :data:`SEND_CHUNK` bytes, so an evict or a
+drain ends a transfer within one chunk. On ``--listen [::]:P`` the data port is
+dual-stack, as gRPC's listener is.
 
 This module is the seeding side (:class:`SendfilePlane`) and the wire format; the serving
 side is :mod:`.sendfile_serve`, so that the seeder imports nothing of the server.

@@ -7,9 +7,12 @@ the ranges. The wire format and the seeding side: :mod:`.sendfile_plane`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
+import ipaddress
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -39,6 +42,8 @@ HELLO_TIMEOUT = 5.0
 MAX_RANGES = 4096
 #: Data connections at once that have not yet sent a valid hello; more are closed at once.
 MAX_PENDING = 32
+#: The same, from one IP address: one address cannot hold every pending place.
+MAX_PENDING_PER_ADDRESS = 8
 #: Secrets outstanding at once (those of every transfer lease a daemon may hold); beyond,
 #: the oldest are dropped (a peer that begins and ends seeds in a loop grows nothing).
 MAX_GRANTS = MAX_TRANSFER_LEASES * MAX_STREAMS_PER_PEER
@@ -62,7 +67,36 @@ def peer_address(grpc_peer: str) -> str:
     kind, _, rest = unquote(grpc_peer).partition(":")
     if kind not in ("ipv4", "ipv6"):
         return ""
-    return rest.rpartition(":")[0].strip("[]")
+    return plain_address(rest.rpartition(":")[0].strip("[]"))
+
+
+def plain_address(address: str) -> str:
+    """``address`` with an IPv4-mapped IPv6 address (``::ffff:10.0.0.2``, what a
+    dual-stack socket reports for an IPv4 peer) written as the IPv4 address it maps, so
+    that gRPC's view of a peer and the data connection's compare equal."""
+    with contextlib.suppress(ValueError):
+        mapped = ipaddress.IPv6Address(address).ipv4_mapped
+        if mapped is not None:
+            return str(mapped)
+    return address
+
+
+def _listening_socket(host: str, port: int) -> socket.socket | None:
+    """A dual-stack socket bound to ``[::]:port`` when ``host`` is IPv6's unspecified
+    address, as gRPC's ``--listen [::]:P`` takes IPv4 peers too (asyncio's own
+    ``start_server`` makes an IPv6 socket IPv6-only); None for any other host."""
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host) == ipaddress.IPv6Address("::"):
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind(("::", port))
+            except OSError:
+                sock.close()
+                raise
+            return sock
+    return None
 
 
 class SendfileServer:
@@ -81,6 +115,8 @@ class SendfileServer:
         self.port = port
         self._grants: dict[bytes, _Grant] = {}
         self._pending = 0
+        #: Connections awaiting their hello, per peer address.
+        self._pending_from: dict[str, int] = {}
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -90,7 +126,11 @@ class SendfileServer:
         Raises:
             OSError: the address cannot be bound.
         """
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        sock = _listening_socket(self.host, self.port)
+        if sock is not None:
+            self._server = await asyncio.start_server(self._serve, sock=sock)
+        else:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -120,6 +160,13 @@ class SendfileServer:
             del self._grants[next(iter(self._grants))]  # the oldest (insertion order)
         return out
 
+    def forget(self, lease_id: str, who: str) -> None:
+        """Drop the unused secrets of transfer lease ``lease_id`` that peer ``who`` was
+        granted (its EndSeed; another peer's are left alone): a peer that begins and ends
+        seeds in a loop pushes no other peer's secrets out."""
+        for key in [k for k, g in self._grants.items() if (g.lease_id, g.who) == (lease_id, who)]:
+            del self._grants[key]
+
     def _redeem(self, secret: bytes, address: str) -> _Grant | None:
         """The grant of ``secret``, removed (single use); None if none, expired, or asked
         from another address. Looked up by its sha256, so the lookup's time says nothing
@@ -133,12 +180,15 @@ class SendfileServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
-        address = str(writer.get_extra_info("peername", ("",))[0])
+        address = plain_address(str(writer.get_extra_info("peername", ("",))[0]))
         try:
-            if self._pending >= MAX_PENDING:
+            if self._pending >= MAX_PENDING or self._pending_from.get(address, 0) >= (
+                MAX_PENDING_PER_ADDRESS
+            ):
                 log.warning("seed data connection refused", peer=address, why="too many pending")
                 return
             self._pending += 1
+            self._pending_from[address] = self._pending_from.get(address, 0) + 1
             try:
                 hello = await asyncio.wait_for(self._hello(reader), HELLO_TIMEOUT)
             except (TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -147,6 +197,8 @@ class SendfileServer:
                 return
             finally:
                 self._pending -= 1
+                if (left := self._pending_from.pop(address) - 1) > 0:
+                    self._pending_from[address] = left
             secret, ranges = hello
             grant = self._redeem(secret, address)
             if grant is None:
@@ -155,7 +207,9 @@ class SendfileServer:
             await self._send(grant, ranges, reader, writer)
         except WeightCacheError as err:
             log.warning("seed data connection refused", peer=address, why=err.detail)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, RuntimeError) as exc:
+            # RuntimeError: asyncio's sendfile on a transport the seeder reset meanwhile
+            # ("Transport is closing").
             log.warning("seed data connection ended", peer=address, why=str(exc) or "stalled")
         finally:
             self._writers.discard(writer)

@@ -403,7 +403,10 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     @_unary
     async def EndSeed(self, request: pb.EndSeedRequest, context: Context) -> pb.EndSeedResponse:
         check_len("lease_id", request.lease_id, MAX_ID_CHARS)
-        self.seeds.end(request.lease_id, _peer_identity(context))
+        who = _peer_identity(context)
+        self.seeds.end(request.lease_id, who)
+        if self.data_plane is not None:
+            self.data_plane.forget(request.lease_id, who)
         return pb.EndSeedResponse()
 
 
