@@ -28,7 +28,9 @@ checkpoint-tensor path copies into the engine's own parameters anyway):
 
 The default, ``"auto"`` (:data:`DEFAULT`), is ``"shared"`` for a bfloat16 model and
 ``"repacked"`` for any other (:func:`resolve`). Measured (``bench/vllm_gemm.py``, bf16,
-AMD EPYC with AVX-512 BF16, ``docs/vllm.md``): one sequence's greedy decode ran as fast on
+AMD EPYC with AVX-512 BF16, the second run of bench/README.md's issue 38 section, medians
+of 2 rounds; the first run's single figures are in ``docs/vllm.md``): one sequence's
+greedy decode ran as fast on
 the shared weights as on oneDNN's packed copies (4.81 against 4.86 tokens/s, the same
 tokens), ``load_model`` took 0.34 s against 1.62 s, and a second engine added 0.61 GiB of
 PSS against 1.21 GiB; under ``ONEDNN_MAX_CPU_ISA=AVX2`` vLLM does not pack bf16, so both
