@@ -73,8 +73,12 @@ log = structlog.get_logger("weightcache.daemon")
 #: ``(cert, key, ca)``: PEM paths of the mutual-TLS identity used towards peers.
 PeerTlsFiles = tuple[str, str, str]
 
-#: What a KeepAlive session is sent: statuses of some of its leases; None ends it.
-Outbox = asyncio.Queue[list[LeaseStatus] | None]
+#: An answer the servicer encoded already, queued as it is: the cache never looks in it.
+Encoded = object
+#: What a KeepAlive session is sent: statuses of some of its leases (pushed by the
+#: cache: revocations, a hand-over), or an answer encoded already (the renewals of the
+#: servicer's reader); None ends it.
+Outbox = asyncio.Queue[list[LeaseStatus] | Encoded | None]
 
 
 _VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)

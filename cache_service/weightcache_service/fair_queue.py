@@ -17,9 +17,10 @@ answer goes before a message of the same usage. A stream that sends a few ids ev
 worker) is thus served right after the message in progress, however many streams another
 peer floods with, and flooding streams share what is left in turn. (Fair queuing by start
 tags, tried first, made a light message wait behind one message of every flooding stream:
-up to 16 s in ``bench/keepalive_flood.py``.) The answer to a message renewed comes before
-the next flooding message, so that renewed statuses do not pile up in every stream's
-outbox, but after light streams' renewals. Between two
+up to 16 s in ``bench/keepalive_flood.py``.) A message is renewed and its answer encoded
+in the same turn (the servicer), so what waits in a stream's outbox is an encoded answer,
+not thousands of status objects; an answer the cache pushes (a revocation, a hand-over)
+takes a turn of cost 0, before messages of the same usage. Between two
 batches the loop runs everything else that is ready, and it rests (serves others) at
 least as long as the last batch took, so KeepAlive work takes at most :data:`SHARE` of
 the loop's time. One message at a time also keeps what is in progress small: one

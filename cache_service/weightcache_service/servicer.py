@@ -12,7 +12,7 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar, cast, get_args
 
 import grpc
 
@@ -261,8 +261,11 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         session, outbox = self.cache.open_session()
         reader = asyncio.create_task(self._read_keepalives(request_iterator, session, outbox))
         try:
-            while (statuses := await outbox.get()) is not None:
-                yield await self._keepalive_response(session, statuses)
+            while (item := await outbox.get()) is not None:
+                if isinstance(item, pb.KeepAliveResponse):
+                    yield item  # renewed and encoded in the reader's fair turn
+                else:
+                    yield await self._keepalive_response(session, cast(list[LeaseStatus], item))
         finally:
             reader.cancel()
             self.fair.forget(session)
@@ -271,12 +274,12 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
     async def _keepalive_response(
         self, session: int, statuses: list[LeaseStatus]
     ) -> pb.KeepAliveResponse:
-        """The answer naming ``statuses``, encoded in fair batches (:mod:`.fair_queue`)."""
+        """The answer naming ``statuses`` that the cache pushed (revocations, a hand-over),
+        encoded in fair batches (:mod:`.fair_queue`)."""
         response = keepalive_response_pb(
             self.cache.instance_id, (), hand_over=self.cache.handing_over
         )
-        # Charged nothing: the message was charged its ids when renewed, and its answer
-        # then comes next, so that renewed statuses do not wait in every stream's outbox.
+        # Charged nothing: a push is the daemon's doing, not the stream's.
         async with self.fair.turn(session, 0) as pause:
             for at in range(0, len(statuses), BATCH_IDS):
                 if at:
@@ -297,16 +300,22 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 # reading (so its sends stall) until it has taken its answers.
                 while outbox.qsize() >= MAX_PENDING_RESPONSES:
                     await asyncio.sleep(0.05)
-                # Renewed in its fair turn, in batches: other RPCs are served between two, so a
-                # message of 4096 ids holds the event loop for one batch at a time.
+                # Renewed and answered in its fair turn, in batches: other RPCs are served
+                # between two, so a message of 4096 ids holds the event loop for one batch
+                # at a time. Encoded at once: a queued answer is its message, not thousands
+                # of status objects waiting for a turn of their own (which held 200 MiB
+                # more in a flood of 200 streams).
                 ids = request.lease_ids
-                statuses: list[LeaseStatus] = []
+                response = keepalive_response_pb(
+                    self.cache.instance_id, (), hand_over=self.cache.handing_over
+                )
                 async with self.fair.turn(session, len(ids)) as pause:
                     for at in range(0, len(ids), BATCH_IDS):
                         if at:
                             await pause()
-                        statuses += self.cache.renew(ids[at : at + BATCH_IDS], session)
-                outbox.put_nowait(statuses)
+                        statuses = self.cache.renew(ids[at : at + BATCH_IDS], session)
+                        add_lease_statuses(response, statuses)
+                outbox.put_nowait(response)
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the peer went away; the stream's end releases its leases
         finally:
