@@ -95,34 +95,63 @@ def test_another_client_is_served_while_a_peer_floods_keepalive(
             renewals.cancel()
 
 
-def test_a_stream_naming_few_ids_is_served_before_waiting_floods() -> None:
-    async def served() -> list[str]:
-        fair = FairQueue()
-        order: list[str] = []
-        holding = asyncio.Event()
-        release = asyncio.Event()
+#: A message queued (its stream, its ids, a name for it), or the clock set to (seconds).
+Step = tuple[str, int, str] | float
 
-        async def work(flow: str, cost: int, name: str) -> None:
+
+def _served(before: list[Step], holder: tuple[str, int, str], queued: list[Step]) -> list[str]:
+    """The order in which a ``FairQueue`` on a clock of the test's (0 until a step sets it)
+    serves messages: ``before`` one after another, then ``holder``, which holds its turn
+    while ``queued`` are queued in order, then lets it go."""
+
+    async def run() -> list[str]:
+        now = [0.0]
+        fair = FairQueue(clock=lambda: now[0])
+        order: list[str] = []
+        holding, release = asyncio.Event(), asyncio.Event()
+
+        async def work(flow: str, cost: int, name: str, hold: bool = False) -> None:
             async with fair.turn(flow, cost):
                 order.append(name)
-                if name == "flood-0 renew":
+                if hold:
                     holding.set()
                     await release.wait()
 
-        await work("flood-0", IDS, "flood-0 earlier")  # a stream that has been flooding
-        first = asyncio.create_task(work("flood-0", IDS, "flood-0 renew"))
-        await holding.wait()  # flood-0's message is in progress; the rest wait
-        waiting = [asyncio.create_task(work(f"flood-{i}", IDS, f"flood-{i} renew")) for i in (1, 2)]
-        waiting.append(asyncio.create_task(work("flood-0", 0, "flood-0 answer")))
-        waiting.append(asyncio.create_task(work("worker", 1, "worker renew")))
-        await asyncio.sleep(0)  # every one of them is queued
+        async def step(item: Step) -> asyncio.Task[None] | None:
+            if isinstance(item, float):
+                now[0] = item
+                return None
+            task = asyncio.create_task(work(*item))
+            await asyncio.sleep(0)  # queued before the next step
+            return task
+
+        for item in before:
+            if (task := await step(item)) is not None:
+                await task
+        first = asyncio.create_task(work(*holder, hold=True))
+        await holding.wait()  # in progress; whatever comes now waits
+        tasks = [task for item in queued if (task := await step(item)) is not None]
         release.set()
-        await asyncio.gather(first, *waiting)
+        await asyncio.gather(first, *tasks)
         return order
 
-    # The worker's one id first (queued last), then the answer to the message renewed,
-    # then the other flooding streams' messages in the order they came.
-    assert asyncio.run(served()) == [
+    return asyncio.run(run())
+
+
+def test_a_stream_naming_few_ids_is_served_before_waiting_floods() -> None:
+    # The worker's one id first (queued last), then the answer to the message renewed
+    # (an answer before a message of the same usage), then the other flooding streams'
+    # messages in the order they came.
+    assert _served(
+        [("flood-0", IDS, "flood-0 earlier")],  # a stream that has been flooding
+        ("flood-0", IDS, "flood-0 renew"),
+        [
+            ("flood-1", IDS, "flood-1 renew"),
+            ("flood-2", IDS, "flood-2 renew"),
+            ("flood-0", 0, "flood-0 answer"),
+            ("worker", 1, "worker renew"),
+        ],
+    ) == [
         "flood-0 earlier",
         "flood-0 renew",
         "worker renew",
@@ -135,35 +164,15 @@ def test_a_stream_naming_few_ids_is_served_before_waiting_floods() -> None:
 def test_a_stream_naming_many_ids_is_not_starved_by_lighter_floods() -> None:
     # Issue 37 review: a message's place was fixed when it was queued, so streams that
     # keep sending messages of a few hundred ids were always ahead of one that names more
-    # (its leases would expire). Its usage now decays while it waits (`_priority`).
-    async def served() -> list[str]:
-        now = [0.0]
-        fair = FairQueue(clock=lambda: now[0])
-        order: list[str] = []
-        holding = asyncio.Event()
-        release = asyncio.Event()
-
-        async def work(flow: str, cost: int, name: str) -> None:
-            async with fair.turn(flow, cost):
-                order.append(name)
-                if name == "light-0 renew":
-                    holding.set()
-                    await release.wait()
-
-        first = asyncio.create_task(work("light-0", 256, "light-0 renew"))
-        await holding.wait()
-        heavy = asyncio.create_task(work("heavy", 600, "heavy renew"))
-        await asyncio.sleep(0)
-        now[0] = 3.0  # 3 half-lives later: the heavy stream's 600 ids count as 75
-        lights = [asyncio.create_task(work(f"light-{i}", 256, f"light-{i} renew")) for i in (1, 2)]
-        await asyncio.sleep(0)
-        release.set()
-        await asyncio.gather(first, heavy, *lights)
-        return order
-
-    assert asyncio.run(served()) == [
-        "light-0 renew",
-        "heavy renew",
-        "light-1 renew",
-        "light-2 renew",
-    ]
+    # (its leases would expire). Its usage now decays while it waits (`_priority`): 3
+    # half-lives later its 600 ids count as 75.
+    assert _served(
+        [],
+        ("light-0", 256, "light-0 renew"),
+        [
+            ("heavy", 600, "heavy renew"),
+            3.0,
+            ("light-1", 256, "light-1 renew"),
+            ("light-2", 256, "light-2 renew"),
+        ],
+    ) == ["light-0 renew", "heavy renew", "light-1 renew", "light-2 renew"]
