@@ -1,0 +1,174 @@
+"""Benchmark: where a ``vllm serve`` start goes, on the daemon's path against vLLM's default
+loader, to the first reply (issue 38, Build 4).
+
+    .venv-vllm/bin/python bench/vllm_serve_start.py [--layers 2] [--rounds 2] [--cold]
+
+A random-weight bf16 Llama (``vllm_load.write_model``) and one daemon holding it through
+``--recipe vllm:dtype=bfloat16``. Each round, interleaved, a fresh server per mode:
+``weightcache-vllm serve MODEL --enforce-eager --max-model-len 128
+--gpu-memory-utilization 0.1 --uds SOCK`` (the tests' KV-cache share) with the
+default loader (``default``) and with ``--load-format weightcache`` on the daemon
+(``weightcache``). Every line the server prints is stamped on arrival (seconds since the
+spawn); the phases end at the first line that names them:
+
+- ``model loaded``: vLLM's ``Model loading took`` (imports, the engine core's spawn, the
+  model's build, load and processing: everything before it);
+- ``engine ready``: ``init engine (profile, create kv cache, warmup model) took``;
+- ``serving``: the first answer to ``GET /v1/models``;
+- ``first reply``: the answer to one completion of 8 tokens, asked once serving.
+
+With ``--cold``, the page cache is dropped before each server (``/proc/sys/vm/drop_caches``,
+root): the checkpoint's and vLLM's own files are read from disk again. Prints the median
+of each phase's end per mode and the ratio default / weightcache; removes its temporary
+folder at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_load import bench_model, start_daemon, wait_ready
+
+MODES = ("default", "weightcache")
+#: Phase name -> the first server line that ends it.
+MARKERS = {
+    "model loaded": "Model loading took",
+    "engine ready": "init engine (profile, create kv cache, warmup model) took",
+}
+#: Seconds a server may take to serve.
+TIMEOUT = 600.0
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=TIMEOUT)
+        self.path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
+
+
+def ask(path: Path, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+    """``method url`` on the server at ``path``; its JSON answer (OSError: not up)."""
+    connection = _UnixConnection(path)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        connection.request(method, url, data, {"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        text = answer.read()
+        if answer.status != 200:
+            raise RuntimeError(f"status {answer.status}: {text[-500:]!r}")
+        return json.loads(text)
+    finally:
+        connection.close()
+
+
+def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, float]:
+    """Start a server in ``mode``, time its phases and first reply, stop it."""
+    listen = tmp / f"{mode}.sock"
+    listen.unlink(missing_ok=True)
+    command = [str(Path(sys.executable).parent / "weightcache-vllm"), "serve", str(model)]
+    if mode == "weightcache":
+        extra = json.dumps({"socket": daemon})
+        command += ["--load-format", "weightcache", "--model-loader-extra-config", extra]
+    command += ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128"]
+    command += ["--gpu-memory-utilization", "0.1", "--uds", str(listen), "--seed", "0"]
+    env = dict(os.environ)
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    ends: dict[str, float] = {}
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            for phase, marker in MARKERS.items():
+                if phase not in ends and marker in line:
+                    ends[phase] = time.monotonic() - start
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        while True:
+            if proc.poll() is not None or time.monotonic() - start > TIMEOUT:
+                raise RuntimeError(f"{mode}: no server:\n{''.join(lines[-40:])}")
+            try:
+                ask(listen, "GET", "/v1/models")
+                break
+            except OSError:
+                time.sleep(0.2)
+        ends["serving"] = time.monotonic() - start
+        body = {"model": str(model), "prompt": "The cache", "max_tokens": 8, "temperature": 0.0}
+        ask(listen, "POST", "/v1/completions", body)
+        ends["first reply"] = time.monotonic() - start
+        if mode == "weightcache" and not any("weightcache: installed " in x for x in lines):
+            raise RuntimeError("the weightcache server did not install the daemon's tensors")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(10)
+    return ends
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cold", action="store_true", help="drop the page cache each time")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="wc-vllm-serve-") as name:
+        tmp = Path(name)
+        sockets, model, nbytes = bench_model(tmp, args.layers, "bfloat16")
+        print(f"model: {args.layers} layers, {nbytes / 1e9:.2f} GB bfloat16; {os.cpu_count()} CPUs")
+        daemon_socket = str(sockets / "held.sock")
+        daemon = start_daemon(model, daemon_socket, ["--recipe", "vllm:dtype=bfloat16"])
+        try:
+            ready = wait_ready(daemon_socket)
+            print(f"daemon (--recipe vllm, export included) ready in {ready:.1f} s")
+            runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+            for round_ in range(args.rounds):
+                for mode in MODES:
+                    if args.cold:
+                        drop_caches()
+                    ends = one_server(model, mode, daemon_socket, tmp)
+                    runs[mode].append(ends)
+                    print(f"  round {round_} {mode:<12} " + json.dumps(ends, default=round))
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
+    phases = [*MARKERS, "serving", "first reply"]
+    print(f"{'seconds since spawn (median)':<30}" + "".join(f"{m:>13}" for m in MODES) + "  ratio")
+    for phase in phases:
+        medians = [statistics.median(r[phase] for r in runs[m] if phase in r) for m in MODES]
+        ratio = medians[0] / medians[1] if medians[1] else float("nan")
+        print(f"{phase:<30}" + "".join(f"{v:>13.2f}" for v in medians) + f"  {ratio:.2f}x")
+    print(f"load average {os.getloadavg()[0]:.1f}; {'cold' if args.cold else 'warm'} page cache")
+
+
+if __name__ == "__main__":
+    main()
