@@ -8,19 +8,24 @@ A random-weight bf16 Llama (``vllm_load.write_model``) and one daemon holding it
 ``weightcache-vllm serve MODEL --enforce-eager --max-model-len 128
 --gpu-memory-utilization 0.1 --uds SOCK`` (the tests' KV-cache share) with the
 default loader (``default``) and with ``--load-format weightcache`` on the daemon
-(``weightcache``). Every line the server prints is stamped on arrival (seconds since the
-spawn); the phases end at the first line that names them:
+(``weightcache``); ``--modes`` adds ``default-uni`` and ``weightcache-uni``, the same with
+``--distributed-executor-backend uni`` (the worker in the engine core's process). Every
+line the server prints is stamped on arrival (seconds since the spawn); the phases end
+at the first line that names them:
 
-- ``model loaded``: vLLM's ``Model loading took`` (imports, the engine core's spawn, the
-  model's build, load and processing: everything before it);
+- ``API server up``: the API server's first line (the command's imports);
+- ``engine core up``: the engine core process's first line (its spawn and imports);
+- ``worker up``: the worker process's first line (its spawn and imports);
+- ``model loaded``: ``weightcache: installed`` or the default loader's ``Loading weights
+  took`` (the model's build, load and processing);
 - ``engine ready``: ``init engine (profile, create kv cache, warmup model) took``;
 - ``serving``: the first answer to ``GET /v1/models``;
 - ``first reply``: the answer to one completion of 8 tokens, asked once serving.
 
 With ``--cold``, the page cache is dropped before each server (``/proc/sys/vm/drop_caches``,
 root): the checkpoint's and vLLM's own files are read from disk again. Prints the median
-of each phase's end per mode and the ratio default / weightcache; removes its temporary
-folder at the end, also on failure.
+of each phase's end per mode and the ratio of the first mode's over the last's; removes
+its temporary folder at the end, also on failure.
 """
 
 from __future__ import annotations
@@ -41,11 +46,14 @@ from typing import Any
 
 from vllm_load import bench_model, start_daemon, wait_ready
 
-MODES = ("default", "weightcache")
-#: Phase name -> the first server line that ends it.
+MODES = ("default", "weightcache", "default-uni", "weightcache-uni")
+#: Phase name -> the server lines (any of them) whose first ends it, in start order.
 MARKERS = {
-    "model loaded": "Model loading took",
-    "engine ready": "init engine (profile, create kv cache, warmup model) took",
+    "API server up": ("(APIServer pid=",),
+    "engine core up": ("(EngineCore pid=",),
+    "worker up": ("(VllmWorker-", "(Worker pid="),
+    "model loaded": ("weightcache: installed ", "Loading weights took"),
+    "engine ready": ("init engine (profile, create kv cache, warmup model) took",),
 }
 #: Seconds a server may take to serve.
 TIMEOUT = 600.0
@@ -81,11 +89,14 @@ def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, floa
     listen = tmp / f"{mode}.sock"
     listen.unlink(missing_ok=True)
     command = [str(Path(sys.executable).parent / "weightcache-vllm"), "serve", str(model)]
-    if mode == "weightcache":
+    if mode.startswith("weightcache"):
         extra = json.dumps({"socket": daemon})
         command += ["--load-format", "weightcache", "--model-loader-extra-config", extra]
     command += ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128"]
     command += ["--gpu-memory-utilization", "0.1", "--uds", str(listen), "--seed", "0"]
+    if mode.endswith("-uni"):
+        # The worker in the engine core's process: one process less to spawn and import.
+        command += ["--distributed-executor-backend", "uni"]
     env = dict(os.environ)
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -98,8 +109,8 @@ def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, floa
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            for phase, marker in MARKERS.items():
-                if phase not in ends and marker in line:
+            for phase, markers in MARKERS.items():
+                if phase not in ends and any(marker in line for marker in markers):
                     ends[phase] = time.monotonic() - start
 
     reader = threading.Thread(target=read, daemon=True)
@@ -117,7 +128,8 @@ def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, floa
         body = {"model": str(model), "prompt": "The cache", "max_tokens": 8, "temperature": 0.0}
         ask(listen, "POST", "/v1/completions", body)
         ends["first reply"] = time.monotonic() - start
-        if mode == "weightcache" and not any("weightcache: installed " in x for x in lines):
+        installed = any("weightcache: installed " in line for line in lines)
+        if mode.startswith("weightcache") and not installed:
             raise RuntimeError("the weightcache server did not install the daemon's tensors")
     finally:
         proc.terminate()
@@ -140,6 +152,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cold", action="store_true", help="drop the page cache each time")
+    parser.add_argument("--modes", default="default,weightcache", help=f"of {','.join(MODES)}")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="wc-vllm-serve-") as name:
         tmp = Path(name)
@@ -150,9 +163,10 @@ def main() -> None:
         try:
             ready = wait_ready(daemon_socket)
             print(f"daemon (--recipe vllm, export included) ready in {ready:.1f} s")
-            runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+            modes = args.modes.split(",")
+            runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
             for round_ in range(args.rounds):
-                for mode in MODES:
+                for mode in modes:
                     if args.cold:
                         drop_caches()
                     ends = one_server(model, mode, daemon_socket, tmp)
@@ -162,11 +176,14 @@ def main() -> None:
             daemon.terminate()
             daemon.wait(60)
     phases = [*MARKERS, "serving", "first reply"]
-    print(f"{'seconds since spawn (median)':<30}" + "".join(f"{m:>13}" for m in MODES) + "  ratio")
+    print(f"{'seconds since spawn (median)':<30}" + "".join(f"{m:>16}" for m in runs) + "  ratio")
     for phase in phases:
-        medians = [statistics.median(r[phase] for r in runs[m] if phase in r) for m in MODES]
-        ratio = medians[0] / medians[1] if medians[1] else float("nan")
-        print(f"{phase:<30}" + "".join(f"{v:>13.2f}" for v in medians) + f"  {ratio:.2f}x")
+        medians = [
+            statistics.median([r[phase] for r in runs[m] if phase in r] or [float("nan")])
+            for m in runs
+        ]
+        ratio = medians[0] / medians[-1] if medians[-1] else float("nan")
+        print(f"{phase:<30}" + "".join(f"{v:>16.2f}" for v in medians) + f"  {ratio:.2f}x")
     print(f"load average {os.getloadavg()[0]:.1f}; {'cold' if args.cold else 'warm'} page cache")
 
 
