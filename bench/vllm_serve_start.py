@@ -31,10 +31,8 @@ its temporary folder at the end, also on failure.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,9 +40,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from vllm_load import bench_model, start_daemon, wait_ready
+
+from weightcache.testing.unix_http import request
 
 MODES = ("default", "weightcache", "default-uni", "weightcache-uni")
 #: Phase name -> the server lines (any of them) whose first ends it, in start order.
@@ -57,31 +56,6 @@ MARKERS = {
 }
 #: Seconds a server may take to serve.
 TIMEOUT = 600.0
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path) -> None:
-        super().__init__("localhost", timeout=TIMEOUT)
-        self.path = str(path)
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self.path)
-
-
-def ask(path: Path, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
-    """``method url`` on the server at ``path``; its JSON answer (OSError: not up)."""
-    connection = _UnixConnection(path)
-    try:
-        data = json.dumps(body).encode() if body is not None else None
-        connection.request(method, url, data, {"Content-Type": "application/json"})
-        answer = connection.getresponse()
-        text = answer.read()
-        if answer.status != 200:
-            raise RuntimeError(f"status {answer.status}: {text[-500:]!r}")
-        return json.loads(text)
-    finally:
-        connection.close()
 
 
 def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, float]:
@@ -120,13 +94,13 @@ def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, floa
             if proc.poll() is not None or time.monotonic() - start > TIMEOUT:
                 raise RuntimeError(f"{mode}: no server:\n{''.join(lines[-40:])}")
             try:
-                ask(listen, "GET", "/v1/models")
+                request(listen, "GET", "/v1/models")
                 break
             except OSError:
                 time.sleep(0.2)
         ends["serving"] = time.monotonic() - start
         body = {"model": str(model), "prompt": "The cache", "max_tokens": 8, "temperature": 0.0}
-        ask(listen, "POST", "/v1/completions", body)
+        request(listen, "POST", "/v1/completions", body)
         ends["first reply"] = time.monotonic() - start
         installed = any("weightcache: installed " in line for line in lines)
         if mode.startswith("weightcache") and not installed:

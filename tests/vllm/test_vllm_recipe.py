@@ -9,11 +9,9 @@ place must lie in the daemon's segment.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +40,7 @@ from weightcache.core.recipe import Placement, Recipe
 from weightcache.testing import Daemon, DaemonPool
 from weightcache.testing.daemon import child_env, list_models
 from weightcache.testing.llama import minilm_dir
+from weightcache.testing.unix_http import request
 from weightcache.testing.vllm_engine import MAX_TOKENS, MEMORY_UTILIZATION, PROMPTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -192,37 +191,6 @@ def test_a_bin_only_checkpoint_falls_back_to_the_default_loader(
     assert skipped_reasons(run) == ["INVALID_CHECKPOINT"], run.log[-4000:]
     assert run.fallback_reasons() == ["INVALID_CHECKPOINT"]
     assert run.result["token_ids"] == llama_default.result["token_ids"]
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    """HTTP over the server's Unix socket (``--uds``): no TCP port is picked for it."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__("localhost", timeout=120)
-        self.path = str(path)
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self.path)
-
-
-def request(path: Path, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
-    """``method url`` on the server listening at ``path``; its JSON answer.
-
-    Raises:
-        OSError: no server listens there (yet).
-        AssertionError: it answered another status than 200.
-    """
-    connection = _UnixConnection(path)
-    try:
-        data = json.dumps(body).encode() if body is not None else None
-        connection.request(method, url, data, {"Content-Type": "application/json"})
-        answer = connection.getresponse()
-        text = answer.read()
-        assert answer.status == 200, text[-2000:]
-        return json.loads(text)
-    finally:
-        connection.close()
 
 
 @pytest.fixture
