@@ -213,16 +213,19 @@ def print_notes(result: dict[str, Any]) -> None:
     n = WORKERS[-1]
     f32, bf16 = _cache_less_peer(table, "F32", n), _cache_less_peer(table, "BF16", n)
     daemon = table[("cache", "F32")][n]["daemon_mib"]
+    cast_daemon = table[("cache", "BF16")][n]["daemon_mib"]
     f32_said = f"{abs(f32):.0f} MiB {'more' if f32 > 0 else 'less'}"
     bf16_said = f"{abs(bf16):.0f} MiB {'more' if bf16 > 0 else 'less'}"
     print("what this shows:")
     print(f"  - float32, {n} workers: the cache holds {f32_said} than from_pretrained. A")
     print("    float32 checkpoint needs no processing, and from_pretrained maps")
     print("    model.safetensors: its workers already share one copy, the page cache's. The")
-    print(f"    cache adds its daemon ({daemon:.0f} MiB of PSS: Python, torch and the segment).")
+    print(f"    cache adds its daemon ({daemon:.0f} MiB of PSS: Python, gRPC and its share of")
+    print("    the segment; with nothing to cast it never imports torch).")
     print(f"  - bfloat16, {n} workers: the cache holds {bf16_said}. The daemon casts once and")
     print("    every worker maps that one copy; from_pretrained casts in each worker, into")
-    print("    private memory, so each holds its own.")
+    print(f"    private memory, so each holds its own. That daemon ({cast_daemon:.0f} MiB of PSS)")
+    print("    imported torch for the cast and keeps it.")
     for line in when_the_cache_pays(result):
         print(f"  {line}")
 
