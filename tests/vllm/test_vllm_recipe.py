@@ -37,6 +37,7 @@ from tests.vllm.support import (
 from weightcache.core.errors import FingerprintMismatchError, RecipeError
 from weightcache.core.plugins import PluginStep
 from weightcache.core.recipe import Placement, Recipe
+from weightcache.integrations.vllm.config import VllmLoaderConfig
 from weightcache.testing import Daemon, DaemonPool
 from weightcache.testing.daemon import child_env, list_models
 from weightcache.testing.llama import minilm_dir
@@ -243,6 +244,24 @@ def test_the_documented_serve_command_serves_on_the_daemons_tensors(
 
     assert answer["choices"][0]["token_ids"] == llama_default.result["token_ids"][0]
     assert "weightcache: installed " in log.read_text()
+
+
+def test_a_tensor_parallel_rank_is_refused_before_any_daemon_call(
+    llama: Path, tmp_path: Path
+) -> None:
+    """The first step of the loader's TP > 1 order (docs/vllm.md, "Tensor parallelism"):
+    the ``vllm`` recipe refuses ``tp_size`` 2 in the engine itself, with no daemon at the
+    socket, as ``INVALID_RECIPE``: the loader's ``except RecipeError`` then goes on to the
+    checkpoint tensors, with ``"fallback": false`` too, rather than fail the load. (The
+    whole order on a 2-rank engine is not run here: two more vLLM processes.)"""
+    options = VllmLoaderConfig.parse({"socket": str(tmp_path / "none.sock")}).vllm_options(
+        vllm_recipe("float32"), 1, 2
+    )
+    assert not options.fallback
+    with pytest.raises(RecipeError) as caught:
+        weightcache.load(llama, options=options)
+    assert caught.value.reason == "INVALID_RECIPE"
+    assert "tp_size 2: tensor parallelism is not built" in caught.value.detail
 
 
 def test_a_model_plugin_is_the_recipes_only_step(llama: Path) -> None:
