@@ -16,24 +16,20 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import structlog
 
-from weightcache.core import hub
 from weightcache.core.checkpoint import Checkpoint, open_checkpoint
 from weightcache.core.errors import (
     DrainingError,
     FingerprintMismatchError,
     InvalidArgumentError,
-    InvalidCheckpointError,
     LeasesActiveError,
     ModelExistsError,
     ModelFailedError,
     ModelLoadingError,
     ModelNotFoundError,
-    PermissionDeniedError,
     ResourceExhaustedError,
     WeightCacheError,
 )
@@ -44,7 +40,7 @@ from weightcache.core.fingerprint import (
     compute_fingerprint,
     pending_fingerprint,
 )
-from weightcache.core.protocol import MAX_ID_CHARS, MAX_PATH_CHARS, check_len
+from weightcache.core.protocol import MAX_ID_CHARS
 from weightcache.core.recipe import Pipeline, Placement, Recipe
 from weightcache.core.records import (
     Acquisition,
@@ -59,19 +55,17 @@ from weightcache.core.records import (
     UnlinkedArena,
 )
 from weightcache.core.version import PROTOCOL_VERSION, __version__
+from weightcache_service.admission import Admission
 from weightcache_service.arena import Arena
 from weightcache_service.backend import Backend
-from weightcache_service.dataplane import DEFAULT_STALL_TIMEOUT
 from weightcache_service.events import CacheEvents
 from weightcache_service.handover import HandOverRefusedError, HeldLease, HeldModel
 from weightcache_service.leases import Lease, LeaseTable
+from weightcache_service.options import ServiceOptions
 from weightcache_service.peers import Connection, holder
-from weightcache_service.store import Entry, Refusal, Store, clip
+from weightcache_service.store import Entry, Refusal, Store
 
 log = structlog.get_logger("weightcache.daemon")
-
-#: ``(cert, key, ca)``: PEM paths of the mutual-TLS identity used towards peers.
-PeerTlsFiles = tuple[str, str, str]
 
 #: An answer the servicer encoded already, queued as it is: the cache never looks in it.
 Encoded = object
@@ -104,35 +98,6 @@ def torch_version() -> str:
     return found.group(1) if found else ""
 
 
-@dataclass
-class ServiceOptions:
-    """What the operator allowed.
-
-    Attributes:
-        allow_remote_preload: accept Preload RPCs at all.
-        model_roots: folders (realpath) a remote Preload path must resolve inside.
-        drain_timeout: seconds lease holders get after REVOKING (a forced Evict, or a
-            drain at SIGTERM) before the memory is freed.
-        allowed_plugins: recipe plugins a remote Preload may name.
-        peer_tls: ``(cert, key, ca)`` PEM paths for seeding from peers (mutual TLS).
-    """
-
-    allow_remote_preload: bool = False
-    model_roots: list[Path] = field(default_factory=list)
-    drain_timeout: float = 30.0
-    allowed_plugins: frozenset[str] = frozenset()
-    #: ``--peer-tls-cert/--peer-tls-key/--peer-tls-ca``: what a seed presents to a peer.
-    peer_tls: PeerTlsFiles | None = None
-    #: Parallel data-plane streams and bytes per chunk of a seed (:mod:`.dataplane`).
-    seed_streams: int = 4
-    seed_chunk_bytes: int = 4 << 20
-    #: ``--seed-stall-timeout``: seconds within which each seed stream must receive a
-    #: chunk, or the seed is abandoned for the files.
-    seed_stall_timeout: float = DEFAULT_STALL_TIMEOUT
-    #: ``--seed-plane``: ``tcp`` asks a peer for its sendfile data plane; ``grpc`` does not.
-    seed_plane: str = "tcp"
-
-
 class WeightCache:
     """One daemon's models and leases.
 
@@ -157,6 +122,8 @@ class WeightCache:
         self.options = options
         self.instance_id = instance_id
         self.backend = backend
+        #: What a remote Preload may name (the servicer asks it before a load begins).
+        self.admission = Admission(options)
         self.draining = False
         #: Stopping for a restart: leases are handed over, not revoked.
         self.handing_over = False
@@ -246,7 +213,7 @@ class WeightCache:
         def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
             # Confinement is checked on each file as opened: a path checked before the
             # open could be swapped for a symlink in between.
-            check = self._check_opened if confine else None
+            check = self.admission.check_opened if confine else None
             checkpoint = open_checkpoint(path, check_file=check)
             try:
                 pipeline = recipe.build(checkpoint, placement)
@@ -513,88 +480,6 @@ class WeightCache:
         self.handing_over = True
         for outbox in self._sessions.values():
             outbox.put_nowait([])
-
-    # -- remote preload permissions ------------------------------------------------------
-
-    def remote_path(self, path: str) -> str:
-        """The realpath of a remote Preload's ``path``, if the operator allows it: an early
-        refusal; each file is checked again as opened (:meth:`_check_opened`).
-
-        Raises:
-            PermissionDeniedError: remote Preload is disabled, or the path resolves outside
-                every ``--model-root``.
-            InvalidArgumentError: the path is over :data:`MAX_PATH_CHARS` characters, empty,
-                or holds NUL (``field=path``).
-        """
-        self._check_remote_preload()
-        check_len("path", path, MAX_PATH_CHARS)
-        if not path or "\0" in path:
-            raise InvalidArgumentError("path is empty or holds NUL", metadata={"field": "path"})
-        real = Path(os.path.realpath(path))
-        for root in self.options.model_roots:
-            if real == root or root in real.parents:
-                return str(real)
-        raise PermissionDeniedError(
-            f"{clip(path)} resolves to {clip(str(real))}, outside every --model-root",
-            metadata={"path": clip(str(real))},
-        )
-
-    def _check_remote_preload(self) -> None:
-        if not self.options.allow_remote_preload:
-            raise PermissionDeniedError(
-                "remote Preload is disabled; start the daemon with --allow-remote-preload "
-                "and --model-root"
-            )
-
-    def remote_hub_model(self, repo_id: str, revision: str) -> tuple[str, str]:
-        """The realpath and model name of a remote Preload's Hub repo id: its snapshot in
-        this daemon's local Hub cache (:func:`weightcache.core.hub.find`, never
-        downloaded), which must lie inside a ``--model-root`` (:meth:`remote_path`).
-
-        Raises:
-            PermissionDeniedError: remote Preload is disabled, or the snapshot resolves
-                outside every ``--model-root``.
-            InvalidArgumentError: ``repo_id`` or ``revision`` is over
-                :data:`MAX_PATH_CHARS` characters, or ``repo_id`` holds ``@`` or NUL.
-            InvalidCheckpointError: no such repo or revision in the local Hub cache.
-        """
-        self._check_remote_preload()  # before the Hub cache is looked at
-        for field_name, value in (("repo_id", repo_id), ("revision", revision)):
-            check_len(field_name, value, MAX_PATH_CHARS)
-        if "@" in repo_id or "\0" in repo_id + revision:
-            raise InvalidArgumentError(
-                "repo_id holds '@' or NUL (the revision goes in the revision field)",
-                metadata={"field": "repo_id"},
-            )
-        found = hub.find(repo_id, revision or None) if not os.path.isabs(repo_id) else None
-        if found is None:
-            raise InvalidCheckpointError(f"{clip(repo_id)}: not a Hub repo id (org/name)")
-        return self.remote_path(found.path), found.name
-
-    def admit_plugin(self, name: str) -> None:
-        """Refuse a recipe plugin the operator did not allow for remote Preload.
-
-        Raises:
-            PermissionDeniedError: ``name`` is not among ``--allow-recipe``.
-        """
-        if name not in self.options.allowed_plugins:
-            raise PermissionDeniedError(
-                f"recipe plugin {name!r} is not allowed; the operator allows "
-                f"{sorted(self.options.allowed_plugins)} (--allow-recipe)",
-                metadata={"plugin": name[:MAX_ID_CHARS]},
-            )
-
-    def _check_opened(self, real: Path) -> None:
-        """Refuse an opened checkpoint file whose real location is outside every model root.
-
-        Raises:
-            PermissionDeniedError: ``real`` is outside every ``--model-root``.
-        """
-        if not any(real == root or root in real.parents for root in self.options.model_roots):
-            raise PermissionDeniedError(
-                f"{clip(str(real))} is outside every --model-root",
-                metadata={"path": clip(str(real))},
-            )
 
     # -- models ------------------------------------------------------------------------
 

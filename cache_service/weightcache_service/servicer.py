@@ -146,11 +146,11 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 name = None
                 if request.repo_id:  # the snapshot in this daemon's Hub cache, by repo id
                     path, name = await asyncio.to_thread(
-                        self.cache.remote_hub_model, request.repo_id, request.revision
+                        self.cache.admission.remote_hub_model, request.repo_id, request.revision
                     )
                 else:
-                    path = self.cache.remote_path(request.path)
-                recipe = recipe_from_pb(request.recipe, admit=self.cache.admit_plugin)
+                    path = self.cache.admission.remote_path(request.path)
+                recipe = recipe_from_pb(request.recipe, admit=self.cache.admission.admit_plugin)
                 placement = placement_from_pb(request.placement)
                 level = level_from_pb(request.fingerprint_level)
                 check_len("seed_from", request.seed_from, MAX_PATH_CHARS)
