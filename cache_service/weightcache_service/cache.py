@@ -47,7 +47,6 @@ from weightcache.core.records import (
     Environment,
     Grant,
     LeaseHolder,
-    LeaseInfo,
     LeaseStatus,
     ModelInfo,
     ServerInfo,
@@ -60,20 +59,13 @@ from weightcache_service.arena import Arena
 from weightcache_service.backend import Backend
 from weightcache_service.events import CacheEvents
 from weightcache_service.handover import HandOverRefusedError, HeldLease, HeldModel
-from weightcache_service.leases import Lease, LeaseTable
+from weightcache_service.lease_grants import LeaseGrants, Outbox
+from weightcache_service.leases import LeaseTable
 from weightcache_service.options import ServiceOptions
-from weightcache_service.peers import Connection, holder
+from weightcache_service.peers import Connection
 from weightcache_service.store import Entry, Refusal, Store
 
 log = structlog.get_logger("weightcache.daemon")
-
-#: An answer the servicer encoded already, queued as it is: the cache never looks in it.
-Encoded = object
-#: What a KeepAlive session is sent: statuses of some of its leases (pushed by the
-#: cache: revocations, a hand-over), or an answer encoded already (the renewals of the
-#: servicer's reader); None ends it.
-Outbox = asyncio.Queue[list[LeaseStatus] | Encoded | None]
-
 
 _VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
 
@@ -122,8 +114,6 @@ class WeightCache:
         self.options = options
         self.instance_id = instance_id
         self.backend = backend
-        #: What a remote Preload may name (the servicer asks it before a load begins).
-        self.admission = Admission(options)
         self.draining = False
         #: Stopping for a restart: leases are handed over, not revoked.
         self.handing_over = False
@@ -136,12 +126,23 @@ class WeightCache:
             backend=backend.name,
             device_uuid=backend.device_uuid,
         )
-        #: Where events go (:class:`CacheEvents`); the metrics replace it.
-        self.events = CacheEvents()
-        self._sessions: dict[int, Outbox] = {}
+        self._events = CacheEvents()
         self._loads: set[asyncio.Task[None]] = set()
         #: Arenas revoked on shared memory, unlinked, that workers still map, oldest first.
         self._unlinked: list[_Unlinked] = []
+        #: What a remote Preload may name (the servicer asks it before a load begins).
+        self.admission = Admission(options)
+        #: KeepAlive sessions, renewals, releases (:mod:`.lease_grants`).
+        self.grants = LeaseGrants(leases, instance_id, self._events, self._free_evicted)
+
+    @property
+    def events(self) -> CacheEvents:
+        """Where events go (:class:`CacheEvents`); the metrics replace it, in every part."""
+        return self._events
+
+    @events.setter
+    def events(self, events: CacheEvents) -> None:
+        self._events = self.grants.events = events
 
     # -- loading ---------------------------------------------------------------------
 
@@ -364,7 +365,7 @@ class WeightCache:
                     x.ttl,
                     x.request_id,
                     x.pid,
-                    create_time=self._wall(x.granted_at),
+                    create_time=self.leases.wall(x.granted_at),
                     worker=x.worker,
                 )
                 for x in self.leases.for_model(entry.name)
@@ -478,8 +479,7 @@ class WeightCache:
         """Tell every KeepAlive stream that this daemon hands its leases over to its
         successor (``KeepAliveResponse.hand_over``): their holders reconnect."""
         self.handing_over = True
-        for outbox in self._sessions.values():
-            outbox.put_nowait([])
+        self.grants.broadcast([])
 
     # -- models ------------------------------------------------------------------------
 
@@ -583,7 +583,7 @@ class WeightCache:
             match=match,
         )
         return Grant(
-            lease=self._lease_info(lease),
+            lease=self.grants.lease_info(lease),
             model=self.info(entry),
             storage=entry.handle,
             tensors=entry.views,  # the same tuple every time: the servicer keys on it
@@ -614,105 +614,26 @@ class WeightCache:
         return err
 
     def open_session(self) -> tuple[int, Outbox]:
-        """A new KeepAlive session: its id, and the queue of what it is to be sent
-        (renewals, and REVOKING notices pushed by :meth:`_revoke`)."""
-        session = self.leases.open_session()
-        outbox: Outbox = asyncio.Queue()
-        self._sessions[session] = outbox
-        return session, outbox
+        """A new KeepAlive session: :meth:`.LeaseGrants.open_session`."""
+        return self.grants.open_session()
 
     def close_session(self, session: int) -> None:
-        """End a KeepAlive session: every lease bound to it ends, and what only they held
-        is freed."""
-        del self._sessions[session]
-        for lease in self.leases.end_session(session):
-            log.info("lease ended: keepalive stream closed", lease=lease.lease_id[:8])
-        self._free_evicted()
+        """End a KeepAlive session and its leases: :meth:`.LeaseGrants.close_session`."""
+        self.grants.close_session(session)
 
     def renew(self, lease_ids: Iterable[str], session: int) -> list[LeaseStatus]:
-        """Renew leases on behalf of ``session``; each id's status, in order (ids are cut
-        to :data:`MAX_ID_CHARS` to look up, and reported as given)."""
-        statuses = []
-        expired = False
-        for lease_id in lease_ids:
-            lease = self.leases.renew(lease_id[:MAX_ID_CHARS], session)
-            # Expired since the last reap: gone now (NOT_FOUND), and what only it held is
-            # freed now rather than at the next reaper tick.
-            expired |= lease is None and self._end_if_expired(lease_id[:MAX_ID_CHARS])
-            statuses.append(self._lease_status(lease_id, lease))
-        if expired:
-            self._free_evicted()
-        return statuses
+        """Renew leases for ``session``; each id's status: :meth:`.LeaseGrants.renew`."""
+        return self.grants.renew(lease_ids, session)
 
     def release(self, lease_id: str) -> None:
-        """End a lease (idempotent), freeing a revoked model nobody holds any more."""
-        expired = self._end_if_expired(lease_id)
-        lease = self.leases.release(lease_id)
-        if lease is not None:
-            log.info("released", model=lease.model, lease=lease.lease_id[:8])
-        if lease is not None or expired:
-            self._free_evicted()
-
-    def _end_if_expired(self, lease_id: str) -> bool:
-        lease = self.leases.end_if_expired(lease_id)
-        if lease is not None:
-            log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
-            self.events.lease_expired()
-        return lease is not None
-
-    def _lease_status(self, lease_id: str, lease: Lease | None) -> LeaseStatus:
-        if lease is None:
-            return LeaseStatus(lease_id, "not_found")
-        if lease.detached:
-            # No deadline: the daemon frees nothing under the mapping any more.
-            return LeaseStatus(lease_id, "revoking", expire_time=self._wall(lease.expire_at))
-        if lease.revoke_deadline is not None:
-            return LeaseStatus(
-                lease_id,
-                "revoking",
-                expire_time=self._wall(lease.expire_at),
-                revoke_deadline=self._wall(lease.revoke_deadline),
-            )
-        return LeaseStatus(lease_id, "active", expire_time=self._wall(lease.expire_at))
+        """End a lease (idempotent): :meth:`.LeaseGrants.release`."""
+        self.grants.release(lease_id)
 
     def lease_holders(
         self, model: str, peers: list[Connection], only_peer: str | None = None
     ) -> list[LeaseHolder]:
-        """Every live lease (on ``model`` only, unless empty; only the transfer leases
-        peer ``only_peer`` began, unless None), oldest first, with who holds it: the
-        worker's description, and the credentials of its connection among ``peers``
-        (:func:`weightcache_service.peers.holder`)."""
-        holders = []
-        for lease in self.leases.live():
-            if (model and lease.model != model) or (
-                only_peer is not None and lease.peer != only_peer
-            ):
-                continue
-            status = self._lease_status(lease.lease_id, lease)
-            holders.append(
-                LeaseHolder(
-                    lease=self._lease_info(lease),
-                    state=status.state,
-                    create_time=self._wall(lease.granted_at),
-                    worker=lease.worker,
-                    peer=holder(lease.worker, peers),
-                    revoke_deadline=status.revoke_deadline,
-                )
-            )
-        return holders
-
-    def _lease_info(self, lease: Lease) -> LeaseInfo:
-        return LeaseInfo(
-            lease_id=lease.lease_id,
-            model=lease.model,
-            ttl=lease.ttl,
-            expire_time=self._wall(lease.expire_at),
-            instance_id=self.instance_id,
-        )
-
-    def _wall(self, clock_seconds: float) -> float:
-        """A lease-clock reading as epoch seconds."""
-        return time.time() + clock_seconds - self.leases.clock()
+        """Every live lease with who holds it: :meth:`.LeaseGrants.lease_holders`."""
+        return self.grants.lease_holders(model, peers, only_peer)
 
     # -- eviction and draining ---------------------------------------------------------
 
@@ -755,8 +676,7 @@ class WeightCache:
 
     def close_sessions(self) -> None:
         """End every KeepAlive stream (at shutdown, so that stopping waits for none)."""
-        for outbox in self._sessions.values():
-            outbox.put_nowait(None)
+        self.grants.broadcast(None)
 
     def revoke_all(self) -> None:
         """Revoke every lease (drain)."""
@@ -799,9 +719,7 @@ class WeightCache:
             log.warning("revoking", model=entry.name, leases=len(revoked))
         self.events.leases_revoked(len(revoked))
         for lease in revoked:
-            outbox = self._sessions.get(lease.session) if lease.session is not None else None
-            if outbox is not None:
-                outbox.put_nowait([self._lease_status(lease.lease_id, lease)])
+            self.grants.push(lease)
 
     def reap(self) -> None:
         """End expired leases and free evicting models nobody holds any more."""

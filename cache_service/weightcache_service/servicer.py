@@ -57,9 +57,10 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_is_local, peer_is_unix
 from weightcache_service.authz import certificate_names
-from weightcache_service.cache import Outbox, WeightCache
+from weightcache_service.cache import WeightCache
 from weightcache_service.fair_queue import BATCH_IDS, FairQueue
 from weightcache_service.interceptors import abort
+from weightcache_service.lease_grants import Outbox
 from weightcache_service.peers import connections, holder
 from weightcache_service.refusals import RefusalLog
 from weightcache_service.seed_serve import SeedServer
