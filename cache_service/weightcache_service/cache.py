@@ -16,7 +16,6 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import structlog
 
@@ -25,7 +24,6 @@ from weightcache.core.errors import (
     DrainingError,
     FingerprintMismatchError,
     InvalidArgumentError,
-    LeasesActiveError,
     ModelExistsError,
     ModelFailedError,
     ModelLoadingError,
@@ -63,6 +61,7 @@ from weightcache_service.lease_grants import LeaseGrants, Outbox
 from weightcache_service.leases import LeaseTable
 from weightcache_service.options import ServiceOptions
 from weightcache_service.peers import Connection
+from weightcache_service.revocation import Revocation
 from weightcache_service.store import Entry, Refusal, Store
 
 log = structlog.get_logger("weightcache.daemon")
@@ -128,12 +127,20 @@ class WeightCache:
         )
         self._events = CacheEvents()
         self._loads: set[asyncio.Task[None]] = set()
-        #: Arenas revoked on shared memory, unlinked, that workers still map, oldest first.
-        self._unlinked: list[_Unlinked] = []
         #: What a remote Preload may name (the servicer asks it before a load begins).
         self.admission = Admission(options)
+        #: Evictions, revocations, reaping, unlinked arenas (:mod:`.revocation`).
+        self.revocation = Revocation(
+            store,
+            leases,
+            unlink_keeps_mappings=backend.unlink_keeps_mappings,
+            drain_timeout=options.drain_timeout,
+            events=self._events,
+            # A lambda: the grants are made next, and free what they held through it.
+            push=lambda lease: self.grants.push(lease),  # noqa: PLW0108
+        )
         #: KeepAlive sessions, renewals, releases (:mod:`.lease_grants`).
-        self.grants = LeaseGrants(leases, instance_id, self._events, self._free_evicted)
+        self.grants = LeaseGrants(leases, instance_id, self._events, self.revocation.free_evicted)
 
     @property
     def events(self) -> CacheEvents:
@@ -142,7 +149,7 @@ class WeightCache:
 
     @events.setter
     def events(self, events: CacheEvents) -> None:
-        self._events = self.grants.events = events
+        self._events = self.grants.events = self.revocation.events = events
 
     # -- loading ---------------------------------------------------------------------
 
@@ -521,20 +528,6 @@ class WeightCache:
             memory_unlinked_bytes=self.unlinked_bytes(),
         )
 
-    def unlinked_arenas(self) -> list[UnlinkedArena]:
-        """Arenas revoked on shared memory that workers still map, oldest first: known by
-        their revoked leases not yet ended (released, expired, or their stream closed)."""
-        self._prune_unlinked()
-        return [
-            UnlinkedArena(u.model, u.size, len(u.lease_ids), u.unlink_time) for u in self._unlinked
-        ]
-
-    def unlinked_bytes(self) -> int:
-        """Bytes of :meth:`unlinked_arenas`: not held, but not free either (counted
-        against the budget)."""
-        self._prune_unlinked()
-        return sum(u.size for u in self._unlinked)
-
     # -- leases ------------------------------------------------------------------------
 
     def check_open(self) -> None:
@@ -638,121 +631,27 @@ class WeightCache:
     # -- eviction and draining ---------------------------------------------------------
 
     def evict(self, name: str, force: bool) -> ModelInfo:
-        """Free a model now, or (``force`` with live leases) revoke its leases and free it
-        once they end; returns the model as it was before.
-
-        Raises:
-            ModelNotFoundError: no such model.
-            ModelLoadingError: the model is loading.
-            LeasesActiveError: it has live leases of workers and ``force`` is not set
-                (transfer leases, of peers seeding from this daemon, are ended instead).
-        """
-        refusal = self.store.refusals.pop(name, None)
-        if refusal is not None:
-            self.store.given_up.add(name)
-            log.info("evicted", model=name)
-            return refusal.info()
-        entry = self.store.get(name)
-        if entry.state == "failed":
-            self.store.given_up.add(name)
-        if entry.state == "loading":
-            raise ModelLoadingError(f"model {entry.name!r} is loading; evict it once loaded")
-        held = self.leases.for_model(entry.name)
-        holders = [lease for lease in held if not lease.peer]
-        if holders and not force:
-            raise LeasesActiveError(
-                f"model {entry.name!r} has {len(holders)} live lease(s); release them or "
-                "evict with force (weightcache evict --force)",
-                metadata={"model": entry.name, "leases": str(len(holders))},
-            )
-        snapshot = self.info(entry)
-        self._end_transfers(entry)
-        if holders:
-            self._revoke(entry)
-        else:
-            self.store.remove(entry.name)
-            log.info("evicted", model=entry.name)
-        return snapshot
+        """Free a model now, or revoke its leases first: :meth:`.Revocation.evict` (its
+        Raises)."""
+        return self.revocation.evict(name, force)
 
     def close_sessions(self) -> None:
         """End every KeepAlive stream (at shutdown, so that stopping waits for none)."""
         self.grants.broadcast(None)
 
     def revoke_all(self) -> None:
-        """Revoke every lease (drain)."""
-        for entry in self.store.entries():
-            if self.leases.for_model(entry.name):
-                self._revoke(entry)
-
-    def _end_transfers(self, entry: Entry) -> None:
-        """End the transfer leases on ``entry`` (peers seeding from this daemon): they never
-        hold an evict or a drain back, and a revoke would leave them for the drain to wait
-        on; each seeder's next chunk is refused and it loads from its own files."""
-        for lease in self.leases.for_model(entry.name):
-            if lease.peer:
-                self.leases.release(lease.lease_id)
-                log.info("transfer lease ended", model=entry.name, peer=lease.peer)
-
-    def _revoke(self, entry: Entry) -> None:
-        """Push REVOKING to every holder of ``entry``. On shared memory the model is
-        dropped now (its segment unlinked: the workers' mappings keep their bytes, which
-        never change) and its leases detached, counted as unlinked until they end; on a GPU
-        it is EVICTING until they end or the drain timeout passes. Transfer leases end
-        (:meth:`_end_transfers`)."""
-        self._end_transfers(entry)
-        if self.backend.unlink_keeps_mappings:
-            revoked = self.leases.detach(entry.name)
-            self.store.remove(entry.name)
-            self._unlinked.append(
-                _Unlinked(entry.name, entry.size, time.time(), {x.lease_id for x in revoked})
-            )
-            log.warning(
-                "revoked: segment unlinked, workers keep their mappings",
-                model=entry.name,
-                leases=len(revoked),
-                bytes=entry.size,
-            )
-        else:
-            entry.state = "evicting"
-            deadline = self.leases.clock() + self.options.drain_timeout
-            revoked = self.leases.revoke(entry.name, deadline)
-            log.warning("revoking", model=entry.name, leases=len(revoked))
-        self.events.leases_revoked(len(revoked))
-        for lease in revoked:
-            self.grants.push(lease)
+        """Revoke every lease (drain): :meth:`.Revocation.revoke_all`."""
+        self.revocation.revoke_all()
 
     def reap(self) -> None:
-        """End expired leases and free evicting models nobody holds any more."""
-        for lease in self.leases.reap():
-            log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
-            self.events.lease_expired()
-        self._free_evicted()
+        """End expired leases, free what only they held: :meth:`.Revocation.reap`."""
+        self.revocation.reap()
 
-    def _free_evicted(self) -> None:
-        for entry in self.store.entries():
-            if entry.state == "evicting" and not self.leases.for_model(entry.name):
-                self.store.remove(entry.name)
-                log.info("evicted", model=entry.name)
-        self._prune_unlinked()
+    def unlinked_arenas(self) -> list[UnlinkedArena]:
+        """Arenas revoked on shared memory that workers still map, oldest first:
+        :meth:`.Revocation.unlinked_arenas`."""
+        return self.revocation.unlinked_arenas()
 
-    def _prune_unlinked(self) -> None:
-        """Forget the unlinked arenas whose revoked leases have all ended."""
-        kept = []
-        for unlinked in self._unlinked:
-            unlinked.lease_ids = set(self.leases.live_ids(unlinked.lease_ids))
-            if unlinked.lease_ids:
-                kept.append(unlinked)
-            else:
-                log.info("unlinked arena released", model=unlinked.model, bytes=unlinked.size)
-        self._unlinked = kept
-
-
-@dataclass
-class _Unlinked:
-    """An arena revoked on shared memory: unlinked, mapped by the holders of
-    ``lease_ids`` (revoked leases not yet ended)."""
-
-    model: str
-    size: int
-    unlink_time: float
-    lease_ids: set[str]
+    def unlinked_bytes(self) -> int:
+        """Bytes of :meth:`unlinked_arenas` (counted against the budget)."""
+        return self.revocation.unlinked_bytes()
