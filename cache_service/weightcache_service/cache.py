@@ -1,18 +1,19 @@
-"""The daemon's cache: loading models, granting and renewing leases, revoking, evicting.
+"""The daemon's cache: the coordinator of a model's lifecycle.
 
-:class:`WeightCache` owns the store and the lease table and every rule about them; it takes
-and returns domain objects (``Fingerprint``, ``Recipe``, ``ModelInfo``, ``Grant``...) and
-never sees a protobuf message or a gRPC context: :mod:`weightcache_service.servicer`
-converts at the edge. (Named ``cache``, not ``daemon``: ``server.Daemon`` is the process.)
+:class:`WeightCache` owns the store and the lease table and hands each concern to its
+part, which it wires together: loading (:mod:`.loading`), remote-Preload admission
+(:mod:`.admission`), KeepAlive sessions and renewals (:mod:`.lease_grants`), revocation,
+eviction and reaping (:mod:`.revocation`), the hand-over (:mod:`.adoption`). It keeps
+what joins them: an Acquire (a model found in the store, a lease granted on it), model
+snapshots, server info, the draining and hand-over flags. It takes and returns domain
+objects (``Fingerprint``, ``Recipe``, ``ModelInfo``, ``Grant``...) and never sees a
+protobuf message or a gRPC context: :mod:`weightcache_service.servicer` converts at the
+edge. (Named ``cache``, not ``daemon``: ``server.Daemon`` is the process.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
-import re
-import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -23,7 +24,6 @@ from weightcache.core.errors import (
     FingerprintMismatchError,
     ModelLoadingError,
     ModelNotFoundError,
-    WeightCacheError,
 )
 from weightcache.core.fingerprint import Level
 from weightcache.core.recipe import Placement, Recipe
@@ -42,6 +42,7 @@ from weightcache_service import adoption
 from weightcache_service.admission import Admission
 from weightcache_service.arena import Arena
 from weightcache_service.backend import Backend
+from weightcache_service.environment import torch_version, with_skew
 from weightcache_service.events import CacheEvents
 from weightcache_service.handover import HeldModel
 from weightcache_service.lease_grants import LeaseGrants, Outbox
@@ -53,28 +54,6 @@ from weightcache_service.revocation import Revocation
 from weightcache_service.store import Entry, Refusal, Store
 
 log = structlog.get_logger("weightcache.daemon")
-
-_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
-
-
-def torch_version() -> str:
-    """The installed torch's ``torch.__version__``, read without importing torch (issue 39:
-    a daemon serving plain checkpoints never imports it): the ``__version__`` line of the
-    ``torch/version.py`` that ``import torch`` would run (torch writes that file at build
-    time; ``torch/__init__.py`` imports ``__version__`` from it). Empty when torch is not
-    installed or the file has no such line."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return str(torch.__version__)
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return ""
-    try:
-        with open(os.path.join(os.path.dirname(spec.origin), "version.py"), encoding="utf-8") as f:
-            found = _VERSION_LINE.search(f.read(65536))
-    except OSError:
-        return ""
-    return found.group(1) if found else ""
 
 
 class WeightCache:
@@ -268,7 +247,7 @@ class WeightCache:
                     "the daemon is starting: its start-up models are not all registered yet",
                     metadata={"bytes_done": "0", "bytes_total": "0"},
                 ) from None
-            raise self._with_skew(err, want.environment) from None
+            raise with_skew(err, want.environment, self.environment) from None
         if entry.handle is None:
             raise ModelLoadingError(f"model {entry.name!r} is not ready")
         lease = self.leases.grant(entry.name, want.ttl, want.request_id, want.pid, want.worker)
@@ -296,22 +275,6 @@ class WeightCache:
                 want.fingerprint.components, want.files, want.checkpoint_path
             )
         return self.store.find(want.fingerprint, want.checkpoint_path)
-
-    def _with_skew(self, err: WeightCacheError, client: Environment) -> WeightCacheError:
-        """Say so when a miss comes with a version skew: the environment stamp is kept out
-        of the identity, so a skew shows up as a miss that this note explains."""
-        mine = self.environment
-        skews = [
-            f"{key} client {getattr(client, key)} daemon {getattr(mine, key)}"
-            for key in ("weightcache_version", "torch_version")
-            if getattr(client, key) and getattr(client, key) != getattr(mine, key)
-        ]
-        if not skews:
-            return err
-        err.detail = f"{err.detail}; environment differs: {', '.join(skews)}"
-        err.args = (err.detail,)
-        err.metadata["environment"] = "; ".join(skews)
-        return err
 
     def open_session(self) -> tuple[int, Outbox]:
         """A new KeepAlive session: :meth:`.LeaseGrants.open_session`."""
