@@ -644,7 +644,7 @@ class Daemon:
         """Refuse new leases, push REVOKING to every holder, and wait until they have all
         taken note or the drain timeout has passed (or a second signal came). A holder
         has taken note when it released, or (shared memory, where the revoke unlinked the
-        segment under its mapping: :meth:`WeightCache._revoke`) renewed the revoked
+        segment under its mapping: :meth:`.Revocation._revoke`) renewed the revoked
         lease, keeping its mapping: then nothing more is waited for."""
         self.cache.draining = True
         self.notifier.send("STOPPING=1", "STATUS=draining")
