@@ -396,8 +396,8 @@ def test_the_numbers_the_contract_and_the_cli_repeat_in_text_match_their_homes()
     from pathlib import Path
 
     from weightcache_service.budget import MemoryBudget
-    from weightcache_service.cache import ServiceOptions
     from weightcache_service.leases import DEFAULT_TTL, MAX_TTL, MIN_TTL
+    from weightcache_service.options import ServiceOptions
 
     proto = Path(__file__).parent.parent / "protos/weightcache/v1/weight_cache_service.proto"
     assert f"Unset means {DEFAULT_TTL:g} s." in proto.read_text()

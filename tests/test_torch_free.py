@@ -149,7 +149,7 @@ def test_the_torch_free_sizes_are_torchs() -> None:
 def test_the_daemons_torch_version_is_read_without_importing_torch() -> None:
     code = (
         "import sys\n"
-        "from weightcache_service.cache import torch_version\n"
+        "from weightcache_service.environment import torch_version\n"
         "found = torch_version()\n"
         "imported = 'torch' in sys.modules\n"
         "import torch\n"

@@ -1,136 +1,59 @@
-"""The daemon's cache: loading models, granting and renewing leases, revoking, evicting.
+"""The daemon's cache: the coordinator of a model's lifecycle.
 
-:class:`WeightCache` owns the store and the lease table and every rule about them; it takes
-and returns domain objects (``Fingerprint``, ``Recipe``, ``ModelInfo``, ``Grant``...) and
-never sees a protobuf message or a gRPC context: :mod:`weightcache_service.servicer`
-converts at the edge. (Named ``cache``, not ``daemon``: ``server.Daemon`` is the process.)
+:class:`WeightCache` owns the store and the lease table and hands each concern to its
+part, which it wires together: loading (:mod:`.loading`), remote-Preload admission
+(:mod:`.admission`), KeepAlive sessions and renewals (:mod:`.lease_grants`), revocation,
+eviction and reaping (:mod:`.revocation`), the hand-over (:mod:`.adoption`). It keeps
+what joins them: an Acquire (a model found in the store, a lease granted on it), model
+snapshots, server info, the draining and hand-over flags. It takes and returns domain
+objects (``Fingerprint``, ``Recipe``, ``ModelInfo``, ``Grant``...) and never sees a
+protobuf message or a gRPC context: :mod:`weightcache_service.servicer` converts at the
+edge. (Named ``cache``, not ``daemon``: ``server.Daemon`` is the process.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib.util
-import os
-import re
-import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import structlog
 
-from weightcache.core import hub
-from weightcache.core.checkpoint import Checkpoint, open_checkpoint
 from weightcache.core.errors import (
     DrainingError,
     FingerprintMismatchError,
-    InvalidArgumentError,
-    InvalidCheckpointError,
-    LeasesActiveError,
-    ModelExistsError,
-    ModelFailedError,
     ModelLoadingError,
     ModelNotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    WeightCacheError,
 )
-from weightcache.core.fingerprint import (
-    Fingerprint,
-    Level,
-    cached_digests,
-    compute_fingerprint,
-    pending_fingerprint,
-)
-from weightcache.core.protocol import MAX_ID_CHARS, MAX_PATH_CHARS, check_len
-from weightcache.core.recipe import Pipeline, Placement, Recipe
+from weightcache.core.fingerprint import Level
+from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.records import (
     Acquisition,
     Environment,
     Grant,
     LeaseHolder,
-    LeaseInfo,
     LeaseStatus,
     ModelInfo,
     ServerInfo,
-    SharedMemoryHandle,
     UnlinkedArena,
 )
 from weightcache.core.version import PROTOCOL_VERSION, __version__
+from weightcache_service import adoption
+from weightcache_service.admission import Admission
 from weightcache_service.arena import Arena
 from weightcache_service.backend import Backend
-from weightcache_service.dataplane import DEFAULT_STALL_TIMEOUT
+from weightcache_service.environment import torch_version, with_skew
 from weightcache_service.events import CacheEvents
-from weightcache_service.handover import HandOverRefusedError, HeldLease, HeldModel
-from weightcache_service.leases import Lease, LeaseTable
-from weightcache_service.peers import Connection, holder
-from weightcache_service.store import Entry, Refusal, Store, clip
+from weightcache_service.handover import HeldModel
+from weightcache_service.lease_grants import LeaseGrants, Outbox
+from weightcache_service.leases import LeaseTable
+from weightcache_service.loading import Loader
+from weightcache_service.options import ServiceOptions
+from weightcache_service.peers import Connection
+from weightcache_service.revocation import Revocation
+from weightcache_service.store import Entry, Refusal, Store
 
 log = structlog.get_logger("weightcache.daemon")
-
-#: ``(cert, key, ca)``: PEM paths of the mutual-TLS identity used towards peers.
-PeerTlsFiles = tuple[str, str, str]
-
-#: An answer the servicer encoded already, queued as it is: the cache never looks in it.
-Encoded = object
-#: What a KeepAlive session is sent: statuses of some of its leases (pushed by the
-#: cache: revocations, a hand-over), or an answer encoded already (the renewals of the
-#: servicer's reader); None ends it.
-Outbox = asyncio.Queue[list[LeaseStatus] | Encoded | None]
-
-
-_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
-
-
-def torch_version() -> str:
-    """The installed torch's ``torch.__version__``, read without importing torch (issue 39:
-    a daemon serving plain checkpoints never imports it): the ``__version__`` line of the
-    ``torch/version.py`` that ``import torch`` would run (torch writes that file at build
-    time; ``torch/__init__.py`` imports ``__version__`` from it). Empty when torch is not
-    installed or the file has no such line."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return str(torch.__version__)
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return ""
-    try:
-        with open(os.path.join(os.path.dirname(spec.origin), "version.py"), encoding="utf-8") as f:
-            found = _VERSION_LINE.search(f.read(65536))
-    except OSError:
-        return ""
-    return found.group(1) if found else ""
-
-
-@dataclass
-class ServiceOptions:
-    """What the operator allowed.
-
-    Attributes:
-        allow_remote_preload: accept Preload RPCs at all.
-        model_roots: folders (realpath) a remote Preload path must resolve inside.
-        drain_timeout: seconds lease holders get after REVOKING (a forced Evict, or a
-            drain at SIGTERM) before the memory is freed.
-        allowed_plugins: recipe plugins a remote Preload may name.
-        peer_tls: ``(cert, key, ca)`` PEM paths for seeding from peers (mutual TLS).
-    """
-
-    allow_remote_preload: bool = False
-    model_roots: list[Path] = field(default_factory=list)
-    drain_timeout: float = 30.0
-    allowed_plugins: frozenset[str] = frozenset()
-    #: ``--peer-tls-cert/--peer-tls-key/--peer-tls-ca``: what a seed presents to a peer.
-    peer_tls: PeerTlsFiles | None = None
-    #: Parallel data-plane streams and bytes per chunk of a seed (:mod:`.dataplane`).
-    seed_streams: int = 4
-    seed_chunk_bytes: int = 4 << 20
-    #: ``--seed-stall-timeout``: seconds within which each seed stream must receive a
-    #: chunk, or the seed is abandoned for the files.
-    seed_stall_timeout: float = DEFAULT_STALL_TIMEOUT
-    #: ``--seed-plane``: ``tcp`` asks a peer for its sendfile data plane; ``grpc`` does not.
-    seed_plane: str = "tcp"
 
 
 class WeightCache:
@@ -169,12 +92,34 @@ class WeightCache:
             backend=backend.name,
             device_uuid=backend.device_uuid,
         )
-        #: Where events go (:class:`CacheEvents`); the metrics replace it.
-        self.events = CacheEvents()
-        self._sessions: dict[int, Outbox] = {}
-        self._loads: set[asyncio.Task[None]] = set()
-        #: Arenas revoked on shared memory, unlinked, that workers still map, oldest first.
-        self._unlinked: list[_Unlinked] = []
+        self._events = CacheEvents()
+        #: What a remote Preload may name (the servicer asks it before a load begins).
+        self.admission = Admission(options)
+        #: Loads into the store (:mod:`.loading`).
+        self.loader = Loader(
+            store, options, self._events, self.admission.check_opened, self.unlinked_bytes
+        )
+        #: Evictions, revocations, reaping, unlinked arenas (:mod:`.revocation`).
+        self.revocation = Revocation(
+            store,
+            leases,
+            unlink_keeps_mappings=backend.unlink_keeps_mappings,
+            drain_timeout=options.drain_timeout,
+            events=self._events,
+            # A lambda: the grants are made next, and free what they held through it.
+            push=lambda lease: self.grants.push(lease),  # noqa: PLW0108
+        )
+        #: KeepAlive sessions, renewals, releases (:mod:`.lease_grants`).
+        self.grants = LeaseGrants(leases, instance_id, self._events, self.revocation.free_evicted)
+
+    @property
+    def events(self) -> CacheEvents:
+        """Where events go (:class:`CacheEvents`); the metrics replace it, in every part."""
+        return self._events
+
+    @events.setter
+    def events(self, events: CacheEvents) -> None:
+        self._events = self.grants.events = self.revocation.events = self.loader.events = events
 
     # -- loading ---------------------------------------------------------------------
 
@@ -189,169 +134,11 @@ class WeightCache:
         name: str | None = None,
         seed_from: str = "",
     ) -> tuple[Entry, asyncio.Task[None]]:
-        """Validate and fingerprint a checkpoint (off the event loop), then start loading it
-        (from the peer daemon ``seed_from`` first, when given: :mod:`.seeding`).
-
-        At level ``full``, shards the hash cache does not know are hashed during the load:
-        the entry's fingerprint is pending until then, and a load that then turns out to
-        hold a model already held fails with :class:`ModelExistsError` and is dropped (no
-        record, not counted as a failed load). When the budget refuses a model whose
-        fingerprint is pending, its shards are hashed first after all, and the refusal is
-        then :class:`ModelExistsError` for a copy of a held model, as it always was.
-
-        Args:
-            confine: every file read must resolve inside a model root (remote Preload).
-            name: the model's name before its suffixes (a Hub repo id's), None for the
-                checkpoint folder's basename.
-
-        Raises:
-            InvalidCheckpointError: the checkpoint is malformed.
-            RecipeError: the recipe cannot be built for the checkpoint.
-            PermissionDeniedError: ``confine`` and a file resolves outside the roots.
-            ModelExistsError: the fingerprint is already held, or a model loaded from the
-                very same files with the same recipe, placement and level.
-            ResourceExhaustedError: the arena would not fit the memory budget.
-            InvalidArgumentError: ``seed_from`` is given and this daemon has no peer TLS
-                files (``--peer-tls-*``): no peer would serve it (``field=seed_from``).
-        """
-
-        try:
-            if seed_from and not self.options.peer_tls:
-                raise InvalidArgumentError(
-                    f"seeding from {seed_from[:MAX_ID_CHARS]} needs mutual TLS: start the "
-                    "daemon with --peer-tls-cert, --peer-tls-key and --peer-tls-ca "
-                    "(docs/seeding.md)",
-                    metadata={"field": "seed_from"},
-                )
-            return await self._begin_load(path, recipe, placement, level, confine, name, seed_from)
-        except ModelExistsError:
-            raise  # nothing to load: not a refusal
-        except WeightCacheError as err:
-            self.events.preload_refused(err.reason)
-            raise
-        except Exception:
-            self.events.preload_refused(ModelFailedError.reason)
-            raise
-
-    async def _begin_load(  # noqa: PLR0917 (begin_load's arguments, passed on)
-        self,
-        path: str,
-        recipe: Recipe,
-        placement: Placement,
-        level: Level,
-        confine: bool,
-        name: str | None,
-        seed_from: str,
-    ) -> tuple[Entry, asyncio.Task[None]]:
-        def prepare() -> tuple[Checkpoint, Pipeline, Fingerprint]:
-            # Confinement is checked on each file as opened: a path checked before the
-            # open could be swapped for a symlink in between.
-            check = self._check_opened if confine else None
-            checkpoint = open_checkpoint(path, check_file=check)
-            try:
-                pipeline = recipe.build(checkpoint, placement)
-                known = cached_digests(checkpoint) if level == "full" else {}
-                if level == "full" and len(known) < len(checkpoint.shards):
-                    # Hashed while the load copies them (weightcache_service.hashing).
-                    fp = pending_fingerprint(checkpoint, pipeline, placement)
-                else:
-                    fp = compute_fingerprint(
-                        checkpoint, pipeline, placement, level, file_sha256=known
-                    )
-            except BaseException:
-                checkpoint.close()
-                raise
-            return checkpoint, pipeline, fp
-
-        checkpoint, pipeline, fp = await asyncio.to_thread(prepare)
-
-        def add(fp: Fingerprint) -> Entry:
-            # The unlinked bytes are read at each try: a revoked arena may be gone by then.
-            return self.store.add(
-                checkpoint,
-                recipe,
-                placement,
-                pipeline,
-                fp,
-                unlinked=self.unlinked_bytes(),
-                name=name,
-            )
-
-        try:
-            try:
-                entry = add(fp)
-            except ResourceExhaustedError:
-                if not fp.pending:
-                    raise
-                # Refused for memory before its content was known: hash it now, and let
-                # the loads it may be a copy of end, so that a copy of a model held is
-                # refused as such (MODEL_EXISTS), and a model refused for memory is kept
-                # FAILED under the digest its workers ask for.
-                fp = await asyncio.to_thread(
-                    compute_fingerprint, checkpoint, pipeline, placement, level
-                )
-                for other in self.store.loading_as(fp):
-                    await asyncio.to_thread(other.finished.wait)
-                entry = add(fp)
-        except BaseException:
-            checkpoint.close()
-            raise
-        if not fp.pending and level == "full":
-            entry.file_sha256 = cached_digests(checkpoint)
-        log.info(
-            "loading",
-            model=entry.name,
-            path=str(checkpoint.root),
-            bytes=entry.size,
-            **({"seed_from": seed_from} if seed_from else {}),
+        """Validate and fingerprint a checkpoint, then start loading it:
+        :meth:`.Loader.begin_load` (its Raises)."""
+        return await self.loader.begin_load(
+            path, recipe, placement, level, confine=confine, name=name, seed_from=seed_from
         )
-        if seed_from:
-            from weightcache_service.seeding import PeerTls, Seeder
-
-            tls = PeerTls(*self.options.peer_tls) if self.options.peer_tls else None
-            seeder = Seeder(
-                seed_from,
-                tls,
-                self.events,
-                streams=self.options.seed_streams,
-                chunk_bytes=self.options.seed_chunk_bytes,
-                stall_timeout=self.options.seed_stall_timeout,
-                plane=self.options.seed_plane,
-            )
-            load = asyncio.to_thread(self.store.load_seeded, entry, seeder.seed, seeder.fallback)
-        else:
-            load = asyncio.to_thread(self.store.load, entry)
-        task = asyncio.create_task(load)
-        self._loads.add(task)
-        task.add_done_callback(self._loads.discard)
-        task.add_done_callback(lambda _t: self._finished(entry))
-        return entry, task
-
-    def _finished(self, entry: Entry) -> None:
-        if isinstance(entry.failure, ModelExistsError):
-            # Refused like a Preload of a held fingerprint, only later: no FAILED record
-            # stays, and it is not a failed load (logged as the server logs a refusal).
-            with contextlib.suppress(ModelNotFoundError):
-                if self.store.get(entry.name) is entry:
-                    self.store.remove(entry.name)
-            log.warning("already held", model=entry.name, error=entry.error)
-            return
-        self._log_loaded(entry)
-        self.events.loaded(entry)
-
-    @staticmethod
-    def _log_loaded(entry: Entry) -> None:
-        if entry.state == "ready":
-            log.info(
-                "loaded",
-                model=entry.name,
-                bytes=entry.size,
-                tensors=len(entry.slots),
-                seconds=round(entry.load_seconds, 3),
-                fingerprint=entry.fingerprint.digest[:16],
-            )
-        else:
-            log.error("load failed", model=entry.name, error=entry.error)
 
     def refuse(
         self,
@@ -363,238 +150,29 @@ class WeightCache:
         *,
         name: str | None = None,
     ) -> Refusal:
-        """Keep a start-up model refused before it held anything, listed FAILED with
-        ``err`` (anything but a :class:`WeightCacheError` is kept as MODEL_FAILED), named
-        ``name`` (None: the path's basename) with its suffixes."""
-        failure = (
-            err
-            if isinstance(err, WeightCacheError)
-            else ModelFailedError(f"{type(err).__name__}: {err}")
-        )
-        return self.store.refuse(path, recipe, placement, level, failure, name=name)
+        """Keep a start-up model refused before it held anything, listed FAILED:
+        :meth:`.Loader.refuse`."""
+        return self.loader.refuse(path, recipe, placement, level, err, name=name)
 
     async def wait_loads(self) -> None:
-        """Wait for every load in progress to end (at shutdown)."""
-        entries = self.store.entries()
-        for entry in entries:
-            entry.cancelled = True
-        # Wait on the threads themselves: a cancelled asyncio task does not stop its thread,
-        # and freeing an arena a thread still writes into would crash the process.
-        await asyncio.to_thread(lambda: [entry.finished.wait() for entry in entries])
+        """Wait for every load in progress to end (at shutdown): :meth:`.Loader.wait_loads`."""
+        await self.loader.wait_loads()
 
     # -- hand-over -------------------------------------------------------------------------
 
     def handed_over(self) -> list[HeldModel]:
-        """What a hand-over leaves to the successor: every READY model whose arena is a
-        shared-memory segment, with its live leases."""
-        held = []
-        for entry in self.store.entries():
-            if entry.state != "ready" or not isinstance(entry.handle, SharedMemoryHandle):
-                continue
-            leases = tuple(
-                HeldLease(
-                    x.lease_id,
-                    x.ttl,
-                    x.request_id,
-                    x.pid,
-                    create_time=self._wall(x.granted_at),
-                    worker=x.worker,
-                )
-                for x in self.leases.for_model(entry.name)
-                if not x.peer  # a transfer lease is bound to this daemon's seeding peer
-            )
-            held.append(
-                HeldModel(
-                    name=entry.name,
-                    path=str(entry.checkpoint.root),
-                    segment=entry.handle.path,
-                    size=entry.size,
-                    files=entry.checkpoint.file_identities(),
-                    recipe=entry.recipe,
-                    placement=entry.placement,
-                    fingerprint=entry.fingerprint,
-                    load_seconds=entry.load_seconds,
-                    create_time=entry.create_time,
-                    leases=leases,
-                    source=entry.source,
-                    files_confirmed=entry.files_confirmed,
-                )
-            )
-        return held
+        """What a hand-over leaves to the successor: :func:`.adoption.handed_over`."""
+        return adoption.handed_over(self.store, self.leases)
 
     def adopt(self, held: HeldModel, arena_of: Callable[[int], Arena]) -> Entry:
-        """Serve a model a predecessor handed over, from its segment, with its leases under
-        the same ids. The checkpoint's headers are read again (not its tensors): its files
-        must be the very files the predecessor loaded (same identities), its layout must
-        need exactly the segment's size, and its fingerprint must be the manifest's
-        (recomputed when no file needs reading: levels ``layout``, ``sampled``, and
-        ``full`` with every shard's digest in the hash cache; else the components that
-        read no file are compared).
-
-        Raises:
-            HandOverRefusedError: any of that does not hold.
-            WeightCacheError: the checkpoint or the recipe cannot be opened or built.
-            OSError: the segment cannot be adopted.
-        """
-        checkpoint = open_checkpoint(held.path)
-        try:
-            if checkpoint.file_identities() != held.files:
-                raise HandOverRefusedError(
-                    f"the files of {held.path} changed since they were loaded"
-                )
-            pipeline = held.recipe.build(checkpoint, held.placement)
-            fp = self._adopted_fingerprint(held, checkpoint, pipeline)
-
-            def arena(size: int) -> Arena:
-                if size != held.size:
-                    raise HandOverRefusedError(
-                        f"the checkpoint's layout needs {size} bytes; the segment has {held.size}"
-                    )
-                return arena_of(size)
-
-            entry = self.store.adopt(
-                held.name,
-                checkpoint,
-                held.recipe,
-                held.placement,
-                pipeline,
-                fp,
-                arena,
-                held.load_seconds,
-            )
-            entry.source, entry.files_confirmed = held.source, held.files_confirmed
-            # What a peer seeding from this daemon is given (seed_serve), when known.
-            known = cached_digests(checkpoint) if fp.level == "full" else {}
-            if len(known) == len(checkpoint.shards):
-                entry.file_sha256 = known
-        finally:
-            checkpoint.close()
-        entry.create_time = held.create_time
-        now = time.time()
-        for lease in held.leases:
-            self.leases.restore(
-                lease.lease_id,
-                entry.name,
-                lease.ttl,
-                lease.request_id,
-                lease.pid,
-                age=0.0 if lease.create_time is None else now - lease.create_time,
-                worker=lease.worker,
-            )
-        return entry
-
-    @staticmethod
-    def _adopted_fingerprint(
-        held: HeldModel, checkpoint: Checkpoint, pipeline: Pipeline
-    ) -> Fingerprint:
-        level = held.fingerprint.level
-        known = cached_digests(checkpoint) if level == "full" else {}
-        if level != "full" or len(known) == len(checkpoint.shards):
-            fp = compute_fingerprint(checkpoint, pipeline, held.placement, level, file_sha256=known)
-            if fp.digest != held.fingerprint.digest:
-                raise HandOverRefusedError(f"the fingerprint of {held.path} is not the manifest's")
-            return fp
-        pending = pending_fingerprint(checkpoint, pipeline, held.placement)
-        differing = [
-            name
-            for name, digest in pending.components.items()
-            if held.fingerprint.components.get(name) != digest
-        ]
-        if differing:
-            raise HandOverRefusedError(
-                f"the fingerprint of {held.path} differs from the manifest's in "
-                f"{', '.join(differing)}"
-            )
-        return held.fingerprint
+        """Serve a model a predecessor handed over: :func:`.adoption.adopt` (its Raises)."""
+        return adoption.adopt(self.store, self.leases, held, arena_of)
 
     def announce_hand_over(self) -> None:
         """Tell every KeepAlive stream that this daemon hands its leases over to its
         successor (``KeepAliveResponse.hand_over``): their holders reconnect."""
         self.handing_over = True
-        for outbox in self._sessions.values():
-            outbox.put_nowait([])
-
-    # -- remote preload permissions ------------------------------------------------------
-
-    def remote_path(self, path: str) -> str:
-        """The realpath of a remote Preload's ``path``, if the operator allows it: an early
-        refusal; each file is checked again as opened (:meth:`_check_opened`).
-
-        Raises:
-            PermissionDeniedError: remote Preload is disabled, or the path resolves outside
-                every ``--model-root``.
-            InvalidArgumentError: the path is over :data:`MAX_PATH_CHARS` characters, empty,
-                or holds NUL (``field=path``).
-        """
-        self._check_remote_preload()
-        check_len("path", path, MAX_PATH_CHARS)
-        if not path or "\0" in path:
-            raise InvalidArgumentError("path is empty or holds NUL", metadata={"field": "path"})
-        real = Path(os.path.realpath(path))
-        for root in self.options.model_roots:
-            if real == root or root in real.parents:
-                return str(real)
-        raise PermissionDeniedError(
-            f"{clip(path)} resolves to {clip(str(real))}, outside every --model-root",
-            metadata={"path": clip(str(real))},
-        )
-
-    def _check_remote_preload(self) -> None:
-        if not self.options.allow_remote_preload:
-            raise PermissionDeniedError(
-                "remote Preload is disabled; start the daemon with --allow-remote-preload "
-                "and --model-root"
-            )
-
-    def remote_hub_model(self, repo_id: str, revision: str) -> tuple[str, str]:
-        """The realpath and model name of a remote Preload's Hub repo id: its snapshot in
-        this daemon's local Hub cache (:func:`weightcache.core.hub.find`, never
-        downloaded), which must lie inside a ``--model-root`` (:meth:`remote_path`).
-
-        Raises:
-            PermissionDeniedError: remote Preload is disabled, or the snapshot resolves
-                outside every ``--model-root``.
-            InvalidArgumentError: ``repo_id`` or ``revision`` is over
-                :data:`MAX_PATH_CHARS` characters, or ``repo_id`` holds ``@`` or NUL.
-            InvalidCheckpointError: no such repo or revision in the local Hub cache.
-        """
-        self._check_remote_preload()  # before the Hub cache is looked at
-        for field_name, value in (("repo_id", repo_id), ("revision", revision)):
-            check_len(field_name, value, MAX_PATH_CHARS)
-        if "@" in repo_id or "\0" in repo_id + revision:
-            raise InvalidArgumentError(
-                "repo_id holds '@' or NUL (the revision goes in the revision field)",
-                metadata={"field": "repo_id"},
-            )
-        found = hub.find(repo_id, revision or None) if not os.path.isabs(repo_id) else None
-        if found is None:
-            raise InvalidCheckpointError(f"{clip(repo_id)}: not a Hub repo id (org/name)")
-        return self.remote_path(found.path), found.name
-
-    def admit_plugin(self, name: str) -> None:
-        """Refuse a recipe plugin the operator did not allow for remote Preload.
-
-        Raises:
-            PermissionDeniedError: ``name`` is not among ``--allow-recipe``.
-        """
-        if name not in self.options.allowed_plugins:
-            raise PermissionDeniedError(
-                f"recipe plugin {name!r} is not allowed; the operator allows "
-                f"{sorted(self.options.allowed_plugins)} (--allow-recipe)",
-                metadata={"plugin": name[:MAX_ID_CHARS]},
-            )
-
-    def _check_opened(self, real: Path) -> None:
-        """Refuse an opened checkpoint file whose real location is outside every model root.
-
-        Raises:
-            PermissionDeniedError: ``real`` is outside every ``--model-root``.
-        """
-        if not any(real == root or root in real.parents for root in self.options.model_roots):
-            raise PermissionDeniedError(
-                f"{clip(str(real))} is outside every --model-root",
-                metadata={"path": clip(str(real))},
-            )
+        self.grants.broadcast([])
 
     # -- models ------------------------------------------------------------------------
 
@@ -636,20 +214,6 @@ class WeightCache:
             memory_unlinked_bytes=self.unlinked_bytes(),
         )
 
-    def unlinked_arenas(self) -> list[UnlinkedArena]:
-        """Arenas revoked on shared memory that workers still map, oldest first: known by
-        their revoked leases not yet ended (released, expired, or their stream closed)."""
-        self._prune_unlinked()
-        return [
-            UnlinkedArena(u.model, u.size, len(u.lease_ids), u.unlink_time) for u in self._unlinked
-        ]
-
-    def unlinked_bytes(self) -> int:
-        """Bytes of :meth:`unlinked_arenas`: not held, but not free either (counted
-        against the budget)."""
-        self._prune_unlinked()
-        return sum(u.size for u in self._unlinked)
-
     # -- leases ------------------------------------------------------------------------
 
     def check_open(self) -> None:
@@ -683,7 +247,7 @@ class WeightCache:
                     "the daemon is starting: its start-up models are not all registered yet",
                     metadata={"bytes_done": "0", "bytes_total": "0"},
                 ) from None
-            raise self._with_skew(err, want.environment) from None
+            raise with_skew(err, want.environment, self.environment) from None
         if entry.handle is None:
             raise ModelLoadingError(f"model {entry.name!r} is not ready")
         lease = self.leases.grant(entry.name, want.ttl, want.request_id, want.pid, want.worker)
@@ -698,7 +262,7 @@ class WeightCache:
             match=match,
         )
         return Grant(
-            lease=self._lease_info(lease),
+            lease=self.grants.lease_info(lease),
             model=self.info(entry),
             storage=entry.handle,
             tensors=entry.views,  # the same tuple every time: the servicer keys on it
@@ -712,244 +276,52 @@ class WeightCache:
             )
         return self.store.find(want.fingerprint, want.checkpoint_path)
 
-    def _with_skew(self, err: WeightCacheError, client: Environment) -> WeightCacheError:
-        """Say so when a miss comes with a version skew: the environment stamp is kept out
-        of the identity, so a skew shows up as a miss that this note explains."""
-        mine = self.environment
-        skews = [
-            f"{key} client {getattr(client, key)} daemon {getattr(mine, key)}"
-            for key in ("weightcache_version", "torch_version")
-            if getattr(client, key) and getattr(client, key) != getattr(mine, key)
-        ]
-        if not skews:
-            return err
-        err.detail = f"{err.detail}; environment differs: {', '.join(skews)}"
-        err.args = (err.detail,)
-        err.metadata["environment"] = "; ".join(skews)
-        return err
-
     def open_session(self) -> tuple[int, Outbox]:
-        """A new KeepAlive session: its id, and the queue of what it is to be sent
-        (renewals, and REVOKING notices pushed by :meth:`_revoke`)."""
-        session = self.leases.open_session()
-        outbox: Outbox = asyncio.Queue()
-        self._sessions[session] = outbox
-        return session, outbox
+        """A new KeepAlive session: :meth:`.LeaseGrants.open_session`."""
+        return self.grants.open_session()
 
     def close_session(self, session: int) -> None:
-        """End a KeepAlive session: every lease bound to it ends, and what only they held
-        is freed."""
-        del self._sessions[session]
-        for lease in self.leases.end_session(session):
-            log.info("lease ended: keepalive stream closed", lease=lease.lease_id[:8])
-        self._free_evicted()
+        """End a KeepAlive session and its leases: :meth:`.LeaseGrants.close_session`."""
+        self.grants.close_session(session)
 
     def renew(self, lease_ids: Iterable[str], session: int) -> list[LeaseStatus]:
-        """Renew leases on behalf of ``session``; each id's status, in order (ids are cut
-        to :data:`MAX_ID_CHARS` to look up, and reported as given)."""
-        statuses = []
-        expired = False
-        for lease_id in lease_ids:
-            lease = self.leases.renew(lease_id[:MAX_ID_CHARS], session)
-            # Expired since the last reap: gone now (NOT_FOUND), and what only it held is
-            # freed now rather than at the next reaper tick.
-            expired |= lease is None and self._end_if_expired(lease_id[:MAX_ID_CHARS])
-            statuses.append(self._lease_status(lease_id, lease))
-        if expired:
-            self._free_evicted()
-        return statuses
+        """Renew leases for ``session``; each id's status: :meth:`.LeaseGrants.renew`."""
+        return self.grants.renew(lease_ids, session)
 
     def release(self, lease_id: str) -> None:
-        """End a lease (idempotent), freeing a revoked model nobody holds any more."""
-        expired = self._end_if_expired(lease_id)
-        lease = self.leases.release(lease_id)
-        if lease is not None:
-            log.info("released", model=lease.model, lease=lease.lease_id[:8])
-        if lease is not None or expired:
-            self._free_evicted()
-
-    def _end_if_expired(self, lease_id: str) -> bool:
-        lease = self.leases.end_if_expired(lease_id)
-        if lease is not None:
-            log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
-            self.events.lease_expired()
-        return lease is not None
-
-    def _lease_status(self, lease_id: str, lease: Lease | None) -> LeaseStatus:
-        if lease is None:
-            return LeaseStatus(lease_id, "not_found")
-        if lease.detached:
-            # No deadline: the daemon frees nothing under the mapping any more.
-            return LeaseStatus(lease_id, "revoking", expire_time=self._wall(lease.expire_at))
-        if lease.revoke_deadline is not None:
-            return LeaseStatus(
-                lease_id,
-                "revoking",
-                expire_time=self._wall(lease.expire_at),
-                revoke_deadline=self._wall(lease.revoke_deadline),
-            )
-        return LeaseStatus(lease_id, "active", expire_time=self._wall(lease.expire_at))
+        """End a lease (idempotent): :meth:`.LeaseGrants.release`."""
+        self.grants.release(lease_id)
 
     def lease_holders(
         self, model: str, peers: list[Connection], only_peer: str | None = None
     ) -> list[LeaseHolder]:
-        """Every live lease (on ``model`` only, unless empty; only the transfer leases
-        peer ``only_peer`` began, unless None), oldest first, with who holds it: the
-        worker's description, and the credentials of its connection among ``peers``
-        (:func:`weightcache_service.peers.holder`)."""
-        holders = []
-        for lease in self.leases.live():
-            if (model and lease.model != model) or (
-                only_peer is not None and lease.peer != only_peer
-            ):
-                continue
-            status = self._lease_status(lease.lease_id, lease)
-            holders.append(
-                LeaseHolder(
-                    lease=self._lease_info(lease),
-                    state=status.state,
-                    create_time=self._wall(lease.granted_at),
-                    worker=lease.worker,
-                    peer=holder(lease.worker, peers),
-                    revoke_deadline=status.revoke_deadline,
-                )
-            )
-        return holders
-
-    def _lease_info(self, lease: Lease) -> LeaseInfo:
-        return LeaseInfo(
-            lease_id=lease.lease_id,
-            model=lease.model,
-            ttl=lease.ttl,
-            expire_time=self._wall(lease.expire_at),
-            instance_id=self.instance_id,
-        )
-
-    def _wall(self, clock_seconds: float) -> float:
-        """A lease-clock reading as epoch seconds."""
-        return time.time() + clock_seconds - self.leases.clock()
+        """Every live lease with who holds it: :meth:`.LeaseGrants.lease_holders`."""
+        return self.grants.lease_holders(model, peers, only_peer)
 
     # -- eviction and draining ---------------------------------------------------------
 
     def evict(self, name: str, force: bool) -> ModelInfo:
-        """Free a model now, or (``force`` with live leases) revoke its leases and free it
-        once they end; returns the model as it was before.
-
-        Raises:
-            ModelNotFoundError: no such model.
-            ModelLoadingError: the model is loading.
-            LeasesActiveError: it has live leases of workers and ``force`` is not set
-                (transfer leases, of peers seeding from this daemon, are ended instead).
-        """
-        refusal = self.store.refusals.pop(name, None)
-        if refusal is not None:
-            self.store.given_up.add(name)
-            log.info("evicted", model=name)
-            return refusal.info()
-        entry = self.store.get(name)
-        if entry.state == "failed":
-            self.store.given_up.add(name)
-        if entry.state == "loading":
-            raise ModelLoadingError(f"model {entry.name!r} is loading; evict it once loaded")
-        held = self.leases.for_model(entry.name)
-        holders = [lease for lease in held if not lease.peer]
-        if holders and not force:
-            raise LeasesActiveError(
-                f"model {entry.name!r} has {len(holders)} live lease(s); release them or "
-                "evict with force (weightcache evict --force)",
-                metadata={"model": entry.name, "leases": str(len(holders))},
-            )
-        snapshot = self.info(entry)
-        self._end_transfers(entry)
-        if holders:
-            self._revoke(entry)
-        else:
-            self.store.remove(entry.name)
-            log.info("evicted", model=entry.name)
-        return snapshot
+        """Free a model now, or revoke its leases first: :meth:`.Revocation.evict` (its
+        Raises)."""
+        return self.revocation.evict(name, force)
 
     def close_sessions(self) -> None:
         """End every KeepAlive stream (at shutdown, so that stopping waits for none)."""
-        for outbox in self._sessions.values():
-            outbox.put_nowait(None)
+        self.grants.broadcast(None)
 
     def revoke_all(self) -> None:
-        """Revoke every lease (drain)."""
-        for entry in self.store.entries():
-            if self.leases.for_model(entry.name):
-                self._revoke(entry)
-
-    def _end_transfers(self, entry: Entry) -> None:
-        """End the transfer leases on ``entry`` (peers seeding from this daemon): they never
-        hold an evict or a drain back, and a revoke would leave them for the drain to wait
-        on; each seeder's next chunk is refused and it loads from its own files."""
-        for lease in self.leases.for_model(entry.name):
-            if lease.peer:
-                self.leases.release(lease.lease_id)
-                log.info("transfer lease ended", model=entry.name, peer=lease.peer)
-
-    def _revoke(self, entry: Entry) -> None:
-        """Push REVOKING to every holder of ``entry``. On shared memory the model is
-        dropped now (its segment unlinked: the workers' mappings keep their bytes, which
-        never change) and its leases detached, counted as unlinked until they end; on a GPU
-        it is EVICTING until they end or the drain timeout passes. Transfer leases end
-        (:meth:`_end_transfers`)."""
-        self._end_transfers(entry)
-        if self.backend.unlink_keeps_mappings:
-            revoked = self.leases.detach(entry.name)
-            self.store.remove(entry.name)
-            self._unlinked.append(
-                _Unlinked(entry.name, entry.size, time.time(), {x.lease_id for x in revoked})
-            )
-            log.warning(
-                "revoked: segment unlinked, workers keep their mappings",
-                model=entry.name,
-                leases=len(revoked),
-                bytes=entry.size,
-            )
-        else:
-            entry.state = "evicting"
-            deadline = self.leases.clock() + self.options.drain_timeout
-            revoked = self.leases.revoke(entry.name, deadline)
-            log.warning("revoking", model=entry.name, leases=len(revoked))
-        self.events.leases_revoked(len(revoked))
-        for lease in revoked:
-            outbox = self._sessions.get(lease.session) if lease.session is not None else None
-            if outbox is not None:
-                outbox.put_nowait([self._lease_status(lease.lease_id, lease)])
+        """Revoke every lease (drain): :meth:`.Revocation.revoke_all`."""
+        self.revocation.revoke_all()
 
     def reap(self) -> None:
-        """End expired leases and free evicting models nobody holds any more."""
-        for lease in self.leases.reap():
-            log.info("lease expired", model=lease.model, lease=lease.lease_id[:8])
-            self.events.lease_expired()
-        self._free_evicted()
+        """End expired leases, free what only they held: :meth:`.Revocation.reap`."""
+        self.revocation.reap()
 
-    def _free_evicted(self) -> None:
-        for entry in self.store.entries():
-            if entry.state == "evicting" and not self.leases.for_model(entry.name):
-                self.store.remove(entry.name)
-                log.info("evicted", model=entry.name)
-        self._prune_unlinked()
+    def unlinked_arenas(self) -> list[UnlinkedArena]:
+        """Arenas revoked on shared memory that workers still map, oldest first:
+        :meth:`.Revocation.unlinked_arenas`."""
+        return self.revocation.unlinked_arenas()
 
-    def _prune_unlinked(self) -> None:
-        """Forget the unlinked arenas whose revoked leases have all ended."""
-        kept = []
-        for unlinked in self._unlinked:
-            unlinked.lease_ids = set(self.leases.live_ids(unlinked.lease_ids))
-            if unlinked.lease_ids:
-                kept.append(unlinked)
-            else:
-                log.info("unlinked arena released", model=unlinked.model, bytes=unlinked.size)
-        self._unlinked = kept
-
-
-@dataclass
-class _Unlinked:
-    """An arena revoked on shared memory: unlinked, mapped by the holders of
-    ``lease_ids`` (revoked leases not yet ended)."""
-
-    model: str
-    size: int
-    unlink_time: float
-    lease_ids: set[str]
+    def unlinked_bytes(self) -> int:
+        """Bytes of :meth:`unlinked_arenas` (counted against the budget)."""
+        return self.revocation.unlinked_bytes()

@@ -482,7 +482,7 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
     from weightcache_service.access import Access, AccessError
     from weightcache_service.backend import DeviceError, resolve_device
     from weightcache_service.budget import MemoryBudget, parse_size
-    from weightcache_service.cache import ServiceOptions
+    from weightcache_service.options import ServiceOptions
     from weightcache_service.server import DaemonConfig, PreloadSpec, model_roots, run_daemon
     from weightcache_service.socket_lock import SocketInUseError, SocketLostError
 

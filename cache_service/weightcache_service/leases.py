@@ -333,5 +333,9 @@ class LeaseTable:
                 lease.revoke_deadline = deadline
         return leases
 
+    def wall(self, clock_seconds: float) -> float:
+        """A reading of :attr:`clock` as epoch seconds."""
+        return time.time() + clock_seconds - self.clock()
+
     def __len__(self) -> int:
         return len(self._leases)

@@ -46,7 +46,7 @@ from weightcache_service.arena import SharedMemoryArena
 from weightcache_service.authz import AuthorizationInterceptor, Policy
 from weightcache_service.backend import CPU_DEVICE, Device, open_backend
 from weightcache_service.budget import MemoryBudget
-from weightcache_service.cache import ServiceOptions, WeightCache
+from weightcache_service.cache import WeightCache
 from weightcache_service.guard import StatusGuard
 from weightcache_service.handover import (
     HandOverRefusedError,
@@ -58,6 +58,7 @@ from weightcache_service.handover import (
 from weightcache_service.health import Health, HealthListener
 from weightcache_service.leases import LeaseTable
 from weightcache_service.notify import Notifier
+from weightcache_service.options import ServiceOptions
 from weightcache_service.seed_serve import SeedServer
 from weightcache_service.segments import (
     Skipped,
@@ -643,7 +644,7 @@ class Daemon:
         """Refuse new leases, push REVOKING to every holder, and wait until they have all
         taken note or the drain timeout has passed (or a second signal came). A holder
         has taken note when it released, or (shared memory, where the revoke unlinked the
-        segment under its mapping: :meth:`WeightCache._revoke`) renewed the revoked
+        segment under its mapping: :meth:`.Revocation._revoke`) renewed the revoked
         lease, keeping its mapping: then nothing more is waited for."""
         self.cache.draining = True
         self.notifier.send("STOPPING=1", "STATUS=draining")

@@ -57,9 +57,10 @@ from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
 from weightcache_service.access import peer_is_local, peer_is_unix
 from weightcache_service.authz import certificate_names
-from weightcache_service.cache import Outbox, WeightCache
+from weightcache_service.cache import WeightCache
 from weightcache_service.fair_queue import BATCH_IDS, FairQueue
 from weightcache_service.interceptors import abort
+from weightcache_service.lease_grants import Outbox
 from weightcache_service.peers import connections, holder
 from weightcache_service.refusals import RefusalLog
 from weightcache_service.seed_serve import SeedServer
@@ -146,11 +147,11 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
                 name = None
                 if request.repo_id:  # the snapshot in this daemon's Hub cache, by repo id
                     path, name = await asyncio.to_thread(
-                        self.cache.remote_hub_model, request.repo_id, request.revision
+                        self.cache.admission.remote_hub_model, request.repo_id, request.revision
                     )
                 else:
-                    path = self.cache.remote_path(request.path)
-                recipe = recipe_from_pb(request.recipe, admit=self.cache.admit_plugin)
+                    path = self.cache.admission.remote_path(request.path)
+                recipe = recipe_from_pb(request.recipe, admit=self.cache.admission.admit_plugin)
                 placement = placement_from_pb(request.placement)
                 level = level_from_pb(request.fingerprint_level)
                 check_len("seed_from", request.seed_from, MAX_PATH_CHARS)
