@@ -122,12 +122,13 @@ def _seeding(pki: Pki, trio: Trio, *extra: str) -> list[str]:
 
 
 @netns_only
-def test_seeds_from_two_peers_at_once(room: Path, trio: Trio, pki3: Pki) -> None:
+@pytest.mark.parametrize("plane", ["tcp", "grpc"])
+def test_seeds_from_two_peers_at_once(room: Path, trio: Trio, pki3: Pki, plane: str) -> None:
     a_node, b_node, c_node = _three(room, trio)
     with (
         _running(a_node, _serving(pki3, trio.a_ip)),
         _running(c_node, _serving(pki3, trio.c_ip)),
-        _running(b_node, _seeding(pki3, trio)) as b,
+        _running(b_node, _seeding(pki3, trio, "--seed-plane", plane)) as b,
     ):
         model = _model(b)
         [seeded] = _events(b, "seeded")
@@ -137,7 +138,7 @@ def test_seeds_from_two_peers_at_once(room: Path, trio: Trio, pki3: Pki) -> None
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {pa},{pc}")
     assert model.fingerprint.digest == _model_digest(a_node)
     # One piece per shard; A is dealt the first, C the second: both served.
-    assert (seeded["pieces"], seeded["dropped"], seeded["plane"]) == ({pa: 1, pc: 1}, {}, "tcp")
+    assert (seeded["pieces"], seeded["dropped"], seeded["plane"]) == ({pa: 1, pc: 1}, {}, plane)
     assert seeded["bytes"] == model.size_bytes
     assert worker == {"source": "cache", "tensors": 9}
     assert _events(b, SEED_FAILED) == []
@@ -214,5 +215,42 @@ def test_a_lying_peer_is_caught_and_its_shard_pulled_from_the_other(
         "shard model-00001-of-00002.safetensors: the bytes it sent fail the shard's sha256",
     )
     assert (seeded["pieces"], seeded["dropped"]) == ({pc: 2}, {pa: "mismatch"})
+    assert _events(b, SEED_FAILED) == []
+    assert worker == {"source": "cache", "tensors": 9}
+
+
+@netns_only
+@pytest.mark.parametrize(
+    ("plane", "stream"),
+    [("tcp", "a data connection"), ("grpc", "a ReadSeedData stream")],
+)
+def test_a_stalled_peer_times_out_to_the_other(
+    room: Path, trio: Trio, pki3: Pki, plane: str, stream: str
+) -> None:
+    a_node, b_node, c_node = _three(room, trio)
+    # A answers BeginSeed, then sends 1 byte/s: its first 64 KiB chunk is due in 18 hours.
+    stalling = _serving(pki3, trio.a_ip, "--seed-max-rate", "1")
+    seeding = _seeding(
+        pki3, trio, "--seed-plane", plane, "--seed-chunk-bytes", "65536",
+        "--seed-stall-timeout", "2",
+    )  # fmt: skip
+    with (
+        _running(a_node, stalling),
+        _running(c_node, _serving(pki3, trio.c_ip)),
+        _running(b_node, seeding) as b,
+    ):
+        model = _model(b)
+        [seeded] = _events(b, "seeded")
+        [dropped] = _events(b, "seed peer dropped")
+        worker = _worker_in(b_node, b)
+
+    pa, pc = f"{trio.a_ip}:{PORT}", f"{trio.c_ip}:{PORT}"
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {pc}")
+    assert (dropped["peer"], dropped["result"], dropped["why"]) == (
+        pa,
+        "stalled",
+        f"stalled: {stream} received 0 bytes in 2 s, less than 65536 (--seed-stall-timeout)",
+    )
+    assert (seeded["pieces"], seeded["dropped"]) == ({pc: 2}, {pa: "stalled"})
     assert _events(b, SEED_FAILED) == []
     assert worker == {"source": "cache", "tensors": 9}

@@ -220,6 +220,9 @@ class Swarm:
                     if self.cancelled() and self._failed is None:
                         self._failed = SwarmFailedError("cancelled", "cancelled at shutdown")
                         self._cond.notify_all()
+                if self._failed is not None:
+                    for reader in self._readers.values():
+                        reader.abort()  # no read runs on past its piece
         finally:
             for thread in threads:
                 thread.join()
@@ -363,7 +366,16 @@ class Swarm:
     def _check(self, shard: int) -> None:
         """Hash ``shard``; on a mismatch, drop the source that supplied it alone, and
         queue the shard again as one bundle."""
-        ok = self.verify(shard)
+        try:
+            ok = self.verify(shard)
+        except Exception as exc:  # a hashing thread must report, not vanish
+            with self._cond:
+                if self._failed is None:
+                    self._failed = SwarmFailedError(
+                        "transfer", f"hashing shard {self.names[shard]}: {exc!r}"
+                    )
+                self._cond.notify_all()
+            return
         with self._cond:
             by = self._by.pop(shard, collections.Counter())
             if ok:

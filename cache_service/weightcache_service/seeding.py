@@ -359,15 +359,17 @@ class Seeder:
         try:
             for peer in self._peers():
                 name = peer[0]
+                source = None
                 try:
                     source = self._agree(entry, arena, request, peer)
                     theirs = self._check_layout(entry, source.begun)
                     if digests and theirs != digests:
-                        source.end()
                         raise SeedFailedError(
                             "mismatch", f"its shard digests are not {sources[0].name}'s"
                         )
                 except SeedFailedError as exc:
+                    if source is not None:
+                        source.end()
                     refusals.append(exc)
                     log.warning("seed peer dropped", peer=name, result=exc.result, why=exc.why)
                     continue

@@ -339,7 +339,8 @@ class SendfileReader:
             if now - mark > self.stall_timeout and got < len(view):
                 raise StalledError(
                     f"stalled: a data connection received {since} bytes in "
-                    f"{self.stall_timeout:g} s, less than {need} (--seed-stall-timeout)"
+                    f"{self.stall_timeout:g} s, less than {self.chunk_bytes} "
+                    "(--seed-stall-timeout)"
                 )
 
     def abort(self) -> None:
