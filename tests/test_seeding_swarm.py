@@ -157,10 +157,10 @@ def test_a_peer_killed_mid_seed_leaves_the_rest_to_the_other(
     room: Path, trio: Trio, pki3: Pki
 ) -> None:
     a_node, b_node, c_node = _three(room, trio, big=True)
-    # One connection per peer; 8 MiB in four 2 MiB pieces, A dealt the 1st and 3rd. A sends
-    # at 1 MiB/s, so its 3rd piece takes 2 s and C may not steal a peer's last piece: when
-    # A's first piece has landed, its second is still A's, and A is killed then.
-    slow = _serving(pki3, trio.a_ip, "--seed-max-rate", str(1 << 20))
+    # One connection per peer; 8 MiB in eight 1 MiB pieces, A dealt the even ones. A sends
+    # at 512 KiB/s, so each of its pieces takes 2 s, and C may steal any of A's but its last
+    # one: when A's first piece has landed, another is still A's, and A is killed then.
+    slow = _serving(pki3, trio.a_ip, "--seed-max-rate", str(512 << 10))
     seeding = _seeding(pki3, trio, "--seed-streams", "1", "--log-level", "debug")
     with (
         _running(a_node, slow) as a,
@@ -178,7 +178,7 @@ def test_a_peer_killed_mid_seed_leaves_the_rest_to_the_other(
     pa, pc = f"{trio.a_ip}:{PORT}", f"{trio.c_ip}:{PORT}"
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {pa},{pc}")
     assert model.fingerprint.digest == _model_digest(b_node)
-    assert (seeded["pieces"], seeded["dropped"]) == ({pa: 1, pc: 3}, {pa: "transfer"})
+    assert (seeded["pieces"], seeded["dropped"]) == ({pa: 1, pc: 7}, {pa: "transfer"})
     assert (dropped["peer"], dropped["result"]) == (pa, "transfer")
     assert str(dropped["why"]).startswith("data connection: ")
     assert _events(b, SEED_FAILED) == []  # no fallback to the files
@@ -247,3 +247,46 @@ def test_a_stalled_peer_times_out_to_the_other(room: Path, trio: Trio, pki3: Pki
     )
     assert (seeded["pieces"], seeded["dropped"]) == ({pc: 2}, {pa: "stalled"})
     assert _events(b, SEED_FAILED) == []
+
+
+@netns_only
+def test_an_idle_connection_steals_from_a_slow_peer_all_but_its_last_piece(
+    room: Path, trio: Trio, pki3: Pki
+) -> None:
+    a_node, b_node, c_node = _three(room, trio, big=True)
+    # One connection per peer; eight 1 MiB pieces, A dealt the even ones (0, 2, 4, 6 MiB),
+    # C the odd. A answers BeginSeed and then sends nothing (1 byte/s); C, done with its
+    # own, steals from the far end of A's queue while A keeps one: pieces 6, then 4, never
+    # 2. Once B logged piece 4 from C, A is killed: its first and last go to C.
+    stalling = _serving(pki3, trio.a_ip, "--seed-max-rate", "1")
+    seeding = _seeding(pki3, trio, "--seed-streams", "1", "--log-level", "debug")
+    pc = f"{trio.c_ip}:{PORT}"
+    with (
+        _running(a_node, stalling) as a,
+        _running(c_node, _serving(pki3, trio.c_ip)),
+        _running(b_node, seeding, wait=False) as b,
+    ):
+        deadline = time.monotonic() + 60
+        while not any(e["peer"] == pc and e["offset"] == 4 << 20 for e in _pieces(b)):
+            assert b.proc.poll() is None and time.monotonic() < deadline, b.log()
+            time.sleep(0.05)
+        before = [(e["peer"], e["offset"]) for e in _pieces(b)]
+        a.kill()
+        b.wait_ready(models=1)
+        model = _model(b)
+        [seeded] = _events(b, "seeded")
+        after = [(e["peer"], e["offset"]) for e in _pieces(b)]
+
+    mib = 1 << 20
+    pa = f"{trio.a_ip}:{PORT}"
+    assert before == [(pc, 1 * mib), (pc, 3 * mib), (pc, 5 * mib), (pc, 7 * mib),
+                      (pc, 6 * mib), (pc, 4 * mib)]  # fmt: skip
+    assert sorted(after[len(before) :]) == [(pc, 0), (pc, 2 * mib)]
+    assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {pc}")
+    assert model.fingerprint.digest == _model_digest(b_node)
+    assert (seeded["pieces"], seeded["dropped"]) == ({pc: 8}, {pa: "transfer"})
+    assert _events(b, SEED_FAILED) == []
+
+
+def _pieces(b: Daemon) -> list[dict[str, object]]:
+    return _events(b, "seed piece")

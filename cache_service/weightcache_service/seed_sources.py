@@ -47,6 +47,9 @@ log = structlog.get_logger("weightcache.daemon")
 PIECE_BYTES = 16 << 20
 #: Smallest piece, in bytes (a shard smaller is one piece).
 MIN_PIECE_BYTES = 1 << 20
+#: Pieces per data connection, about, when they are not at their bounds: enough that a
+#: slow peer's queue can be stolen from while it works on its first.
+PIECES_PER_CONNECTION = 4
 #: Hashing threads (each hashes one whole shard).
 HASHERS = 2
 
@@ -125,11 +128,12 @@ class SwarmFailedError(Exception):
 
 
 def pieces_of(ranges: Sequence[tuple[int, int]], connections: int) -> list[Piece]:
-    """The shard ranges ``(offset, length)`` cut into pieces, in arena order: about two
-    per connection in all, each between :data:`MIN_PIECE_BYTES` (1 MiB multiples) and
-    :data:`PIECE_BYTES`, never across two shards."""
+    """The shard ranges ``(offset, length)`` cut into pieces, in arena order: about
+    :data:`PIECES_PER_CONNECTION` per connection in all, each between
+    :data:`MIN_PIECE_BYTES` (1 MiB multiples) and :data:`PIECE_BYTES`, never across two
+    shards."""
     total = sum(n for _, n in ranges)
-    step = -(-total // max(1, 2 * connections))
+    step = -(-total // max(1, PIECES_PER_CONNECTION * connections))
     step = -(-step // MIN_PIECE_BYTES) * MIN_PIECE_BYTES
     step = min(max(step, MIN_PIECE_BYTES), PIECE_BYTES)
     out = []
