@@ -21,6 +21,15 @@ For a model of ``--gib`` GiB in 8 shards, each in its own folder for A and B:
   cache cold (it hashes every shard, as a first load does) and warm (copy only).
 
 Prints a table; the goal is the seed at >= 0.8x of the link's bulk throughput.
+
+With ``--two-peers RATE`` (issue 40, Build 2) it measures instead a seed from several
+peers: three namespaces, daemons A and C warm (the model READY), each joined to B by a
+veth pair of its own whose peer-side egress ``tc`` limits to RATE (a ``tbf`` qdisc, e.g.
+``800mbit``), so that the links, not the CPUs, bound; then daemon B seeds the model from A
+alone, from C alone, and from both (``--seed-from A,C``), ``--rounds`` times, and the
+link (a bulk sendfile copy from A over its limited pair) for scale:
+
+    .venv/bin/python bench/seed.py --two-peers 800mbit --gib 0.5 --rounds 2
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from tests.security_support import SYSTEM_PATHS, Pki, make_pki
 from weightcache.testing.daemon import Daemon, short_tempdir, socket_in
 
 IP = shutil.which("ip", path=SYSTEM_PATHS) or "ip"
+TC = shutil.which("tc", path=SYSTEM_PATHS) or "tc"
 PORT = 7443
 BULK_PORT = 7444
 HTTP_PORT = 7445
@@ -258,6 +268,109 @@ def run_daemon(
     return daemon
 
 
+@contextlib.contextmanager
+def three_namespaces(rate: str) -> Iterator[tuple[str, str, str, str, str]]:
+    """Namespaces A, B, C; a veth pair A-B and one C-B, each peer side's egress limited
+    to ``rate`` by a ``tbf`` qdisc. Yields ``(ns_a, ns_b, ns_c, a_ip, c_ip)``."""
+    tag = uuid.uuid4().hex[:6]
+    ns_a, ns_b, ns_c = f"wcba-{tag}", f"wcbb-{tag}", f"wcbc-{tag}"
+    a_ip, c_ip = "10.234.1.1", "10.234.2.1"
+    made = []
+    try:
+        for ns in (ns_a, ns_b, ns_c):
+            ip("netns", "add", ns)
+            made.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        for ns, side, net in ((ns_a, "a", 1), (ns_c, "c", 2)):
+            there, here = f"wcb{side}{tag}", f"wcbb{side}{tag}"
+            ip("link", "add", there, "type", "veth", "peer", "name", here)
+            for where, dev, addr in (
+                (ns, there, f"10.234.{net}.1"),
+                (ns_b, here, f"10.234.{net}.2"),
+            ):
+                ip("link", "set", dev, "netns", where)
+                ip("-n", where, "addr", "add", f"{addr}/24", "dev", dev)
+                ip("-n", where, "link", "set", dev, "up")
+            subprocess.run(
+                [IP, "netns", "exec", ns, TC, "qdisc", "add", "dev", there, "root", "tbf",
+                 "rate", rate, "burst", "1mb", "latency", "100ms"],
+                check=True, capture_output=True, timeout=30,
+            )  # fmt: skip
+        yield ns_a, ns_b, ns_c, a_ip, c_ip
+    finally:
+        for ns in made:
+            ip("netns", "del", ns)
+
+
+def two_peers(args: argparse.Namespace) -> int:
+    """The ``--two-peers`` bench (module docstring)."""
+    root = short_tempdir()
+    try:
+        with three_namespaces(args.two_peers) as (ns_a, ns_b, ns_c, a_ip, c_ip):
+            size = write_model(root / "a" / "model", args.gib)
+            for name in ("b", "c"):
+                shutil.copytree(root / "a" / "model", root / name / "model")
+            files = sorted((root / "a" / "model").glob("*.safetensors"))
+            pki: Pki = make_pki(root / "pki", [a_ip, c_ip])
+            serving = {
+                name: run_daemon(
+                    ns, root / name, name, root / name / "model",
+                    ["--listen", f"{addr}:{PORT}", "--tls-cert", str(pki.server_cert),
+                     "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca),
+                     "--allow-seeding"],
+                    hashes=root / name / "hashes",
+                )
+                for name, ns, addr in (("a", ns_a, a_ip), ("c", ns_c, c_ip))
+            }  # fmt: skip
+            tls = [
+                "--peer-tls-cert", str(pki.client_cert), "--peer-tls-key", str(pki.client_key),
+                "--peer-tls-ca", str(pki.ca),
+            ]  # fmt: skip
+            peers = {
+                "A": f"{a_ip}:{PORT}",
+                "C": f"{c_ip}:{PORT}",
+                "A,C": f"{a_ip}:{PORT},{c_ip}:{PORT}",
+            }
+            results: dict[str, list[float]] = {}
+            try:
+                for r in range(args.rounds):
+                    results.setdefault("link: sendfile from A, 4 connections", []).append(
+                        bulk_link(ns_a, ns_b, a_ip, files, 4)
+                    )
+                    for label, seed_from in peers.items():
+                        b = run_daemon(
+                            ns_b, root / "b", f"s{r}-{label.replace(',', '')}",
+                            root / "b" / "model", ["--seed-from", seed_from, *tls],
+                            hashes=root / "b" / f"hashes-{r}-{label}",
+                        )  # fmt: skip
+                        try:
+                            seeded = _event(b, "seeded")
+                            loaded = _event(b, "loaded")
+                        finally:
+                            b.stop_and_check()
+                        print(f"seed from {label}:", seeded.get("pieces"), flush=True)
+                        results.setdefault(f"seed from {label}", []).append(
+                            float(str(loaded["seconds"]))
+                        )
+            finally:
+                for daemon in serving.values():
+                    daemon.stop_and_check()
+        print(
+            f"model: {size / (1 << 30):.2f} GiB in {SHARDS} shards; {os.cpu_count()} CPUs; "
+            f"each peer's link limited to {args.two_peers} (tbf)"
+        )
+        one = statistics.median(results["seed from A"])
+        print(f"{'path':40} {'median s':>9} {'GB/s':>6} {'x A':>6}   runs")
+        for key, values in results.items():
+            med = statistics.median(values)
+            runs = " ".join(f"{v:.2f}" for v in values)
+            print(f"{key:40} {med:9.2f} {size / med / 1e9:6.2f} {one / med:6.2f}   {runs}")
+        print("x A: the seed from A alone's median seconds over this path's")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0)
@@ -270,10 +383,18 @@ def main() -> int:
     parser.add_argument(
         "--raw", default="1,4", help="connections of the transfer-alone runs, comma-separated"
     )
+    parser.add_argument(
+        "--two-peers",
+        default=None,
+        metavar="RATE",
+        help="instead: seed from one peer and from two, each link limited to RATE (tc tbf)",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("bench/seed.py: run as root (it makes network namespaces)", file=sys.stderr)
         return 2
+    if args.two_peers:
+        return two_peers(args)
     root = short_tempdir()
     try:
         with namespaces() as (ns_a, ns_b, a_ip, _b_ip):

@@ -15,6 +15,9 @@ Run as ``python -m tests.seed_peer TARGET CA CERT KEY CHECKPOINT``. Commands:
   what arrived.
 - ``{"op": "silent", "port"}``: open a data-plane connection, send half a hello, and read
   until the daemon closes it -> ``{"bytes"}`` received.
+- ``{"op": "crowd", "port", "count"}``: open ``count`` data-plane connections one after
+  another, each sending half a hello, hold them all, then read each until the daemon
+  closes it -> ``{"bytes": [received, ...]}``.
 - ``{"op": "list"}``: ListLeases -> ``{"leases": [{"lease_id", "model", "label", "ttl"}]}``
   (``ttl`` in whole seconds).
 - ``{"op": "read", "lease_id", "length", "chunk_bytes"}``: ReadSeedData from offset 0,
@@ -90,6 +93,24 @@ def _silent(target: str, port: int) -> dict[str, Any]:
     return {"bytes": got}
 
 
+def _crowd(target: str, port: int, count: int) -> dict[str, Any]:
+    host = target.rpartition(":")[0].strip("[]")
+    with contextlib.ExitStack() as stack:
+        socks = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.create_connection((host, port), timeout=30))
+            sock.sendall(bytes(16))  # half a secret, and then nothing
+            socks.append(sock)
+        got = []
+        for sock in socks:
+            n = 0
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(1 << 20):
+                    n += len(chunk)
+            got.append(n)
+    return {"bytes": got}
+
+
 def main() -> None:
     target, ca, cert, key, checkpoint = sys.argv[1:6]
     creds = grpc.ssl_channel_credentials(
@@ -123,6 +144,8 @@ def main() -> None:
                     "data_port": begun.data_port,
                     "secrets": [s.hex() for s in begun.data_secrets],
                 }
+            elif op == "crowd":
+                answer = _crowd(target, command["port"], command["count"])
             elif op == "silent":
                 answer = _silent(target, command["port"])
             elif op == "data":

@@ -932,6 +932,8 @@ def test_a_data_connection_needs_a_fresh_secret_of_its_lease(
 ) -> None:
     import hashlib
 
+    from weightcache_service.sendfile_serve import MAX_PENDING_PER_ADDRESS
+
     a_node, b_node = _nodes(room, link)
     serving = _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding")
     with _running(a_node, serving) as a:
@@ -945,6 +947,9 @@ def test_a_data_connection_needs_a_fresh_secret_of_its_lease(
             again = peer("data", port=port, secret=secrets[0], ranges=whole)
             wrong = peer("data", port=port, secret=os.urandom(32).hex(), ranges=whole)
             silent = peer("silent", port=port)  # closed after HELLO_TIMEOUT (5 s)
+            # One address holds at most MAX_PENDING_PER_ADDRESS connections without a
+            # hello: the one more is closed at once, the others after HELLO_TIMEOUT.
+            crowd = peer("crowd", port=port, count=MAX_PENDING_PER_ADDRESS + 1)
             outside = peer("data", port=port, secret=secrets[1], ranges=[[0, size + 1]])
             peer("end", lease_id=begun["lease_id"])
             ended = peer("data", port=port, secret=secrets[2], ranges=whole)
@@ -961,11 +966,15 @@ def test_a_data_connection_needs_a_fresh_secret_of_its_lease(
     assert first == {"bytes": size, "sha256": hashlib.sha256(arena).hexdigest()}
     assert again == wrong == outside == ended == nothing  # closed before any byte
     assert silent == {"bytes": 0}
+    assert crowd == {"bytes": [0] * (MAX_PENDING_PER_ADDRESS + 1)}
     assert refusals == [
         "no valid secret",
         "no valid secret",
         "no hello in time",
-        f"the ranges asked pass the {size}-byte arena or its size in all",
+        "too many pending",
+        *["no hello in time"] * MAX_PENDING_PER_ADDRESS,
+        f"the ranges asked pass the {size}-byte arena, or 2 times its size or 4096 ranges "
+        "on one connection",
         "no valid secret",  # EndSeed dropped the lease's unused secrets
     ]
     assert (model.source, seeded["plane"]) == (f"peer {link.a_ip}:{PORT}", "tcp")

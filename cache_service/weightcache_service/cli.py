@@ -12,8 +12,8 @@ Subcommands:
   why each FAILED one failed. ``--json``: the ListModels reply in the protobuf JSON mapping.
 - ``load PATH|REPO_ID [--revision R] [--dtype D] [--seed-from PEER]``: ask the running
   daemon to preload a checkpoint (Preload RPC; the daemon needs ``--allow-remote-preload``;
-  seeded from the peer daemon PEER first, docs/seeding.md), with a progress bar on stderr;
-  exits 0 once READY (:mod:`weightcache_service.load_command`).
+  seeded from the peer daemon PEER, or several comma-separated, first, docs/seeding.md),
+  with a progress bar on stderr; exits 0 once READY (:mod:`weightcache_service.load_command`).
 - ``health [--readiness|--liveness]``: exit 0 only when the daemon is ready (every
   required model READY), or with ``--liveness`` when its event loop answers (exec probes).
 - ``info [--json]``: versions, backend and memory of the daemon.
@@ -251,8 +251,9 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument(
         "--seed-from",
         default=None,
-        metavar="HOST:PORT",
-        help="fill the start-up models from this peer daemon, verified; else load from files",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="fill the start-up models from these peer daemons at once, verified; "
+        "else load from files",
     )
     daemon.add_argument("--peer-tls-cert", default=None, metavar="PEM", help="seeding: our cert")
     daemon.add_argument("--peer-tls-key", default=None, metavar="PEM", help="seeding: our key")
@@ -336,8 +337,8 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--seed-from",
         default=None,
-        metavar="HOST:PORT",
-        help="have the daemon seed it from this peer daemon first (its --peer-tls-* files)",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="have the daemon seed it from these peer daemons first (its --peer-tls-* files)",
     )
     load.add_argument(
         "--recipe",

@@ -233,6 +233,56 @@ class GrpcStreamPlane:
             raise TransferError(real[0])
 
 
+class GrpcReader:
+    """One ReadSeedData stream at a time, one range each: what a seed from several peers
+    uses (:class:`.seed_sources.Reader`), with :class:`GrpcStreamPlane`'s stall bound.
+
+    Args:
+        channel: a channel to the peer.
+        lease_id: the transfer lease.
+        write: as :meth:`DataPlane.pull`'s.
+        chunk_bytes, stall_timeout: as :class:`GrpcStreamPlane`'s.
+        cancelled: turns true when the seed must stop.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        lease_id: str,
+        write: Writer,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self._plane = GrpcStreamPlane(channel, 1, chunk_bytes, stall_timeout)
+        self.lease_id = lease_id
+        self.write = write
+        self.cancelled = cancelled
+        self._aborted = False
+
+    def read(self, offset: int, length: int) -> None:
+        """Pull ``[offset, offset + length)``.
+
+        Raises:
+            StalledError, TransferError: as :meth:`GrpcStreamPlane.pull`; :meth:`abort`
+                counts as cancelled.
+        """
+        self._plane.pull(
+            self.lease_id,
+            [(offset, length)],
+            self.write,
+            lambda: self._aborted or self.cancelled(),
+        )
+
+    def abort(self) -> None:
+        """Make a :meth:`read` in flight fail within :data:`WATCH_INTERVAL`."""
+        self._aborted = True
+
+    def close(self) -> None:
+        """Nothing to close: each read is its own call on the shared channel."""
+
+
 class _Progress:
     """One stream's progress: its call, when it last received a whole chunk's worth of
     bytes (or began), and the bytes received since."""

@@ -23,12 +23,13 @@ logs why and the model is loaded from its own files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +51,14 @@ from weightcache_service.dataplane import (
     DEFAULT_STALL_TIMEOUT,
     DEFAULT_STREAMS,
     DataPlane,
+    GrpcReader,
     GrpcStreamPlane,
     StalledError,
     TransferError,
 )
 from weightcache_service.events import CacheEvents
-from weightcache_service.sendfile_plane import SendfilePlane
+from weightcache_service.seed_sources import Reader, Swarm, SwarmFailedError
+from weightcache_service.sendfile_plane import SendfilePlane, SendfileReader
 from weightcache_service.store import Entry
 
 log = structlog.get_logger("weightcache.daemon")
@@ -67,6 +70,10 @@ BEGIN_TIMEOUT = 10.0
 MAX_SEED_MESSAGE = 32 << 20
 #: The transfer lease's TTL asked of the peer, in seconds (renewed by every chunk).
 SEED_LEASE_TTL = 30
+#: The same, seeding from several peers: a peer's connections may wait while another
+#: peer's pieces are in flight (up to ``--seed-stall-timeout``), without a chunk to renew
+#: it; the peer grants at most 60 s (``seed_serve.MAX_SEED_TTL``).
+SWARM_LEASE_TTL = 60
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_SEED_MESSAGE),
@@ -169,14 +176,20 @@ class Seeder:
 
     # -- the peer ----------------------------------------------------------------------
 
-    def _targets(self) -> list[tuple[str, str]]:
-        """``(target, tls name)`` per address of the peer's host, in resolver order."""
-        host, _, port = self.peer.rpartition(":")
+    def _targets(self, peer: str | None = None) -> list[tuple[str, str]]:
+        """``(target, tls name)`` per address of ``peer``'s host (default: the one peer),
+        in resolver order.
+
+        Raises:
+            SeedFailedError: ``refused``: it cannot be resolved.
+        """
+        peer = self.peer if peer is None else peer
+        host, _, port = peer.rpartition(":")
         host = host.strip("[]")
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except (OSError, ValueError) as exc:
-            raise SeedFailedError("refused", f"cannot resolve peer {self.peer}: {exc}") from None
+            raise SeedFailedError("refused", f"cannot resolve peer {peer}: {exc}") from None
         addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
         return [(f"[{a}]:{port}" if ":" in a else f"{a}:{port}", host) for a in addresses]
 
@@ -222,6 +235,9 @@ class Seeder:
         why = seedable(entry)
         if why is not None:
             raise SeedFailedError("unsupported", why)
+        if "," in self.peer or len(self._targets()) > 1:
+            self._seed_many(entry, arena)
+            return
         channel, begun, address = self._begin(entry)
         try:
             digests = self._check_layout(entry, begun)
@@ -275,11 +291,17 @@ class Seeder:
             except grpc.RpcError:
                 pass  # the lease ends with its TTL
             channel.close()
+        self._seeded(entry, digests, self.peer, phases)
+
+    def _seeded(
+        self, entry: Entry, digests: dict[str, str], source: str, phases: Mapping[str, object]
+    ) -> None:
+        """Mark ``entry`` seeded (its bytes verified against ``digests``) from ``source``."""
         entry.fingerprint = compute_fingerprint(
             entry.checkpoint, entry.pipeline, entry.placement, "full", file_sha256=digests
         )
         entry.file_sha256 = digests
-        entry.source = f"peer {self.peer}"
+        entry.source = f"peer {source}"
         entry.tensors_done = len(entry.slots)
         seconds = time.monotonic() - self._start
         log.info(
@@ -292,6 +314,135 @@ class Seeder:
             **phases,
         )
         self.events.seeded("seeded", entry.size, seconds)
+
+    # -- several peers (issue 40, Build 2) --------------------------------------------
+
+    def _peers(self) -> list[tuple[str, str, str]]:
+        """``(name, target, tls name)`` per peer: each ``--seed-from`` entry, and each
+        address its host resolves to (a headless Service: several peers, each named by
+        its address); one that cannot be resolved is logged and left out.
+
+        Raises:
+            SeedFailedError: ``refused``: none can be resolved.
+        """
+        out: dict[str, tuple[str, str, str]] = {}
+        errors = []
+        for spec in dict.fromkeys(p.strip() for p in self.peer.split(",") if p.strip()):
+            try:
+                targets = self._targets(spec)
+            except SeedFailedError as exc:
+                errors.append(exc.why)
+                log.warning("seed peer dropped", peer=spec, result="refused", why=exc.why)
+                continue
+            for target, name in targets:
+                out.setdefault(target, (spec if len(targets) == 1 else target, target, name))
+        if not out:
+            raise SeedFailedError("refused", "; ".join(errors) or "no peer named")
+        return list(out.values())
+
+    def _seed_many(self, entry: Entry, arena: Arena) -> None:
+        """:meth:`seed` from every peer that holds the model as planned, at once
+        (:class:`.seed_sources.Swarm`).
+
+        Raises:
+            SeedFailedError: no peer agreed (``refused``, ``layout``, ``mismatch``: the
+                first peer's reason), or none could finish (the last drop's result).
+        """
+        sources: list[PeerSource] = []
+        digests: dict[str, str] = {}
+        refusals: list[SeedFailedError] = []
+        request = pb.BeginSeedRequest(
+            components=fingerprint_pb(entry.fingerprint).components,
+            ttl_seconds=SWARM_LEASE_TTL,
+            data_connections=self.streams if self.plane == "tcp" else 0,
+        )
+        try:
+            for peer in self._peers():
+                name = peer[0]
+                source = None
+                try:
+                    source = self._agree(entry, arena, request, peer)
+                    theirs = self._check_layout(entry, source.begun)
+                    if digests and theirs != digests:
+                        raise SeedFailedError(
+                            "mismatch", f"its shard digests are not {sources[0].name}'s"
+                        )
+                except SeedFailedError as exc:
+                    if source is not None:
+                        source.end()
+                    refusals.append(exc)
+                    log.warning("seed peer dropped", peer=name, result=exc.result, why=exc.why)
+                    continue
+                digests = digests or theirs
+                sources.append(source)
+            if not sources:
+                first = refusals[0]
+                raise SeedFailedError(first.result, first.why)
+            self._swarm(entry, arena, sources, digests)
+        finally:
+            for source in sources:
+                source.end()
+
+    def _agree(
+        self,
+        entry: Entry,
+        arena: Arena,
+        request: pb.BeginSeedRequest,
+        peer: tuple[str, str, str],
+    ) -> PeerSource:
+        """BeginSeed on one peer address (``peer``: as :meth:`_peers` gives it).
+
+        Raises:
+            SeedFailedError: ``refused``.
+        """
+        name, target, tls_name = peer
+        channel = self._channel(target, tls_name)
+        try:
+            begun = pb_grpc.WeightCacheServiceStub(channel).BeginSeed(
+                request, timeout=BEGIN_TIMEOUT
+            )
+        except grpc.RpcError as exc:
+            channel.close()
+            raise SeedFailedError(
+                "refused", f"BeginSeed {target}: {exc.code().name}: {exc.details()}"
+            ) from None
+        address = target.rpartition(":")[0].strip("[]")
+        return PeerSource(
+            self, name, channel=channel, begun=begun, address=address, entry=entry, arena=arena
+        )
+
+    def _swarm(
+        self, entry: Entry, arena: Arena, sources: list[PeerSource], digests: dict[str, str]
+    ) -> None:
+        pulled = time.monotonic()
+        if isinstance(arena, SharedMemoryArena):
+            arena.populate()  # every byte is written through the mapping: no faults
+        names, ranges = shard_ranges(entry)
+        swarm = Swarm(
+            sources,
+            ranges,
+            names,
+            verify=lambda i: shard_sha256(entry, arena, names[i]) == digests[names[i]],
+            cancelled=lambda: entry.cancelled,
+        )
+        try:
+            report = swarm.run()
+        except SwarmFailedError as exc:
+            result = "transfer" if exc.result == "cancelled" else exc.result
+            raise SeedFailedError(result, exc.why) from None
+        served = [s.name for s in sources if report.pieces.get(s.name)]
+        self._seeded(
+            entry,
+            digests,
+            ",".join(served),
+            {
+                "plane": "tcp" if all(s.tcp for s in sources) else "grpc",
+                "begin_seconds": round(pulled - self._start, 3),
+                "transfer_seconds": round(time.monotonic() - pulled, 3),
+                "pieces": report.pieces,
+                "dropped": {name: result for name, (result, _why) in report.dropped.items()},
+            },
+        )
 
     def _plane(
         self,
@@ -420,3 +571,84 @@ def shard_sha256(entry: Entry, arena: Arena, name: str) -> str:
     for tensor in tensors:
         arena.read_into(slots[tensor.name], h.update)
     return h.hexdigest()
+
+
+class PeerSource:
+    """One peer of a seed from several (:class:`.seed_sources.Source`): its BeginSeed
+    answer, and readers over its sendfile data plane (when offered) or ReadSeedData.
+
+    Attributes:
+        name: as ``--seed-from`` names it (or its address, for a host of several).
+        begun: its BeginSeed answer.
+        tcp: whether it offered the sendfile data plane.
+        connections: its data connections (granted secrets), or ``--seed-streams``.
+    """
+
+    def __init__(
+        self,
+        seeder: Seeder,
+        name: str,
+        *,
+        channel: grpc.Channel,
+        begun: pb.BeginSeedResponse,
+        address: str,
+        entry: Entry,
+        arena: Arena,
+    ) -> None:
+        self.seeder = seeder
+        self.name = name
+        self.channel = channel
+        self.begun = begun
+        self.address = address
+        self.entry = entry
+        self.arena = arena
+        self.tcp = bool(begun.data_port and begun.data_secrets)
+        self.connections = len(begun.data_secrets) if self.tcp else seeder.streams
+        self._ended = False
+
+    def _progress(self, nbytes: int) -> None:
+        self.entry.bytes_done = min(self.entry.bytes_done + nbytes, self.entry.data_bytes)
+
+    def _into(self, offset: int, length: int, fill: Callable[[memoryview], None]) -> None:
+        self.arena.read_into(Slot("seed", "U8", (length,), offset, length), fill)
+
+    def _write(self, offset: int, data: memoryview) -> None:
+        def fill(out: memoryview) -> None:
+            out[:] = data
+
+        self._into(offset, len(data), fill)
+        self._progress(len(data))
+
+    def open(self, k: int) -> Reader:
+        """Connection ``k``: a kept sendfile data connection (its ``k``-th secret), or a
+        ReadSeedData reader."""
+        seeder, cancelled = self.seeder, lambda: self.entry.cancelled
+        if self.tcp:
+            return SendfileReader(
+                self.address,
+                self.begun.data_port,
+                self.begun.data_secrets[k],
+                self._into,
+                progress=self._progress,
+                chunk_bytes=seeder.chunk_bytes,
+                stall_timeout=seeder.stall_timeout,
+                cancelled=cancelled,
+            )
+        return GrpcReader(
+            self.channel,
+            self.begun.lease_id,
+            self._write,
+            chunk_bytes=seeder.chunk_bytes,
+            stall_timeout=seeder.stall_timeout,
+            cancelled=cancelled,
+        )
+
+    def end(self) -> None:
+        """EndSeed (once), and close the channel."""
+        if self._ended:
+            return
+        self._ended = True
+        with contextlib.suppress(grpc.RpcError):  # else the lease ends with its TTL
+            stub = pb_grpc.WeightCacheServiceStub(self.channel)
+            stub.EndSeed(pb.EndSeedRequest(lease_id=self.begun.lease_id), timeout=2.0)
+        self.channel.close()

@@ -64,6 +64,13 @@ CONNECT_TIMEOUT = 10.0
 HELLO = struct.Struct(">32sI")
 #: One range of the hello: offset and length in bytes, from the arena's start.
 RANGE = struct.Struct(">QQ")
+#: The hello's count with this bit set: the seeder keeps the connection, and once it has
+#: received every byte asked, it may ask more on it: ``count`` (:data:`MORE`) and that
+#: many ranges, again and again; a count of 0, or a close, ends it (seeding from several
+#: peers, :mod:`.seed_sources`).
+KEEP_OPEN = 1 << 31
+#: The count of a next batch of ranges on a kept connection.
+MORE = struct.Struct(">I")
 
 
 class SendfilePlane:
@@ -246,6 +253,107 @@ class SendfilePlane:
                 if errors:
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)
+
+
+class SendfileReader:
+    """One kept data connection (:data:`KEEP_OPEN`), asked one range at a time: what a
+    seed from several peers uses (:class:`.seed_sources.Reader`). Connects at the first
+    :meth:`read` (the secret's single use).
+
+    Args:
+        address, port, secret: as :class:`SendfilePlane`'s, one secret.
+        into: ``into(offset, length, fill)``, as :class:`SendfilePlane`'s.
+        progress: called with the byte count of each receive.
+        chunk_bytes, stall_timeout: the stall bound, as :class:`SendfilePlane`'s.
+        cancelled: turns true when the seed must stop (checked every
+            :data:`.dataplane.WATCH_INTERVAL`).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        secret: bytes,
+        into: Callable[[int, int, Callable[[memoryview], None]], None],
+        *,
+        progress: Callable[[int], None] = lambda _n: None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.address, self.port, self.secret = address, port, secret
+        self.into = into
+        self.progress = progress
+        self.chunk_bytes = chunk_bytes
+        self.stall_timeout = stall_timeout
+        self.cancelled = cancelled
+        self._sock: socket.socket | None = None
+        self._aborted = False
+
+    def read(self, offset: int, length: int) -> None:
+        """Ask ``[offset, offset + length)`` and receive it in place.
+
+        Raises:
+            StalledError: less than ``chunk_bytes`` (or the rest) arrived within
+                ``stall_timeout`` seconds.
+            TransferError: the connection failed, the peer closed it early (a refused
+                secret included), :meth:`abort` or ``cancelled()``.
+        """
+        try:
+            if self._sock is None:
+                self._sock = socket.create_connection((self.address, self.port), CONNECT_TIMEOUT)
+                self._sock.settimeout(WATCH_INTERVAL)
+                head = HELLO.pack(self.secret, 1 | KEEP_OPEN)
+            else:
+                head = MORE.pack(1)
+            if self._aborted:
+                raise TransferError("cancelled")
+            self._sock.sendall(head + RANGE.pack(offset, length))
+        except OSError as exc:
+            raise TransferError(f"data connection to {self.address}:{self.port}: {exc}") from None
+        self.into(offset, length, self._fill)
+
+    def _fill(self, view: memoryview) -> None:
+        assert self._sock is not None
+        got, mark, since, need = 0, time.monotonic(), 0, min(self.chunk_bytes, len(view))
+        while got < len(view):
+            if self._aborted or self.cancelled():
+                raise TransferError("cancelled")
+            try:
+                n = self._sock.recv_into(view[got:])
+            except TimeoutError:
+                n = -1  # nothing within the watch interval
+            except OSError as exc:
+                raise TransferError(f"data connection: {exc}") from None
+            if n == 0:
+                raise TransferError(
+                    f"data connection: the peer closed the data connection "
+                    f"{len(view) - got} bytes early"
+                )
+            now = time.monotonic()
+            if n > 0:
+                got, since = got + n, since + n
+                self.progress(n)
+                if since >= need:
+                    mark, since, need = now, 0, min(self.chunk_bytes, len(view) - got)
+            if now - mark > self.stall_timeout and got < len(view):
+                raise StalledError(
+                    f"stalled: a data connection received {since} bytes in "
+                    f"{self.stall_timeout:g} s, less than {self.chunk_bytes} "
+                    "(--seed-stall-timeout)"
+                )
+
+    def abort(self) -> None:
+        """Make a :meth:`read` in flight fail within :data:`.dataplane.WATCH_INTERVAL`."""
+        self._aborted = True
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Close the connection (the peer then ends it)."""
+        if self._sock is not None:
+            self._sock.close()
 
 
 def _plan(ranges: Sequence[tuple[int, int]], connections: int) -> list[list[tuple[int, int, int]]]:

@@ -32,7 +32,7 @@ from weightcache_service.seed_serve import (
     MIN_CHUNK_BYTES,
     SeedServer,
 )
-from weightcache_service.sendfile_plane import HELLO, RANGE, SECRET_BYTES
+from weightcache_service.sendfile_plane import HELLO, KEEP_OPEN, MORE, RANGE, SECRET_BYTES
 
 log = structlog.get_logger("weightcache.daemon")
 
@@ -51,6 +51,13 @@ MAX_GRANTS = MAX_TRANSFER_LEASES * MAX_STREAMS_PER_PEER
 SEND_CHUNK = 8 << 20
 #: Seconds one :data:`SEND_CHUNK` may take to leave (the seeder reads nothing: stalled).
 SEND_STALL_TIMEOUT = DEFAULT_STALL_TIMEOUT
+#: Seconds a data connection may wait, its ranges sent, for the seeder's next batch (a
+#: seeder from several peers keeps its connections while another peer's piece is in
+#: flight); it holds one of its peer's streams meanwhile.
+MORE_TIMEOUT = MAX_SEED_TTL
+#: Bytes one data connection may carry in all, in arenas: a connection pulls part of an
+#: arena, and may pull a shard again after another peer lied about it.
+MAX_CONNECTION_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -199,12 +206,12 @@ class SendfileServer:
                 self._pending -= 1
                 if (left := self._pending_from.pop(address) - 1) > 0:
                     self._pending_from[address] = left
-            secret, ranges = hello
+            secret, ranges, keep = hello
             grant = self._redeem(secret, address)
             if grant is None:
                 log.warning("seed data connection refused", peer=address, why="no valid secret")
                 return
-            await self._send(grant, ranges, reader, writer)
+            await self._send(grant, ranges, reader, writer, keep=keep)
         except WeightCacheError as err:
             log.warning("seed data connection refused", peer=address, why=err.detail)
         except (OSError, TimeoutError, RuntimeError) as exc:
@@ -216,12 +223,16 @@ class SendfileServer:
             writer.close()  # whatever happened: no byte more
 
     @staticmethod
-    async def _hello(reader: asyncio.StreamReader) -> tuple[bytes, list[tuple[int, int]]]:
+    async def _hello(
+        reader: asyncio.StreamReader,
+    ) -> tuple[bytes, list[tuple[int, int]], bool]:
+        """The secret, the ranges, and whether the seeder keeps the connection open."""
         secret, count = HELLO.unpack(await reader.readexactly(HELLO.size))
+        keep, count = bool(count & KEEP_OPEN), count & ~KEEP_OPEN
         if not 0 < count <= MAX_RANGES:
             raise ValueError(f"{count} ranges")
         raw = await reader.readexactly(count * RANGE.size)
-        return secret, [RANGE.unpack_from(raw, i * RANGE.size) for i in range(count)]
+        return secret, [RANGE.unpack_from(raw, i * RANGE.size) for i in range(count)], keep
 
     async def _send(
         self,
@@ -229,29 +240,65 @@ class SendfileServer:
         ranges: list[tuple[int, int]],
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        *,
+        keep: bool = False,
     ) -> None:
-        """Check the ranges and the stream bounds, then sendfile every range.
+        """Check the ranges and the stream bounds, then sendfile every range; with
+        ``keep`` (:data:`.sendfile_plane.KEEP_OPEN` in the hello), serve the next batch
+        of ranges the seeder asks on this connection (:data:`.sendfile_plane.MORE`) until
+        it asks none or hangs up.
 
         Raises:
             ModelNotFoundError: the lease ended.
-            InvalidArgumentError: a range passes the arena, or all of them its size.
+            InvalidArgumentError: a range passes the arena, or all of them on this
+                connection :data:`MAX_CONNECTION_BYTES` arenas.
             ResourceExhaustedError: the peer, or all peers, have the most streams open.
-            OSError, TimeoutError: the connection failed or stalled.
+            OSError, TimeoutError: the connection failed or stalled, or no next batch
+                came within :data:`MORE_TIMEOUT` seconds.
         """
         seeds, who = self.seeds, grant.who
         entry = seeds.entry(grant.lease_id, who)
-        if any(o + n > entry.size for o, n in ranges) or sum(n for _, n in ranges) > entry.size:
-            raise InvalidArgumentError(
-                f"the ranges asked pass the {entry.size}-byte arena or its size in all"
-            )
         seeds.open_stream(who)
         try:
             arena = entry.arena
             assert isinstance(arena, SharedMemoryArena)  # entry() and begin() checked it
             with arena.reader() as file:  # its own descriptor: an evict cannot close it
-                await self._ranges(grant, ranges, file, reader, writer)
+                total, count = 0, 0
+                while ranges:
+                    total += sum(n for _, n in ranges)
+                    count += len(ranges)
+                    if (
+                        any(o + n > entry.size for o, n in ranges)
+                        or total > MAX_CONNECTION_BYTES * entry.size
+                        or count > MAX_RANGES
+                    ):
+                        raise InvalidArgumentError(
+                            f"the ranges asked pass the {entry.size}-byte arena, or "
+                            f"{MAX_CONNECTION_BYTES} times its size or {MAX_RANGES} ranges "
+                            "on one connection"
+                        )
+                    early = await self._ranges(grant, ranges, file, reader, writer)
+                    if early is None or not keep:
+                        return
+                    ranges = await asyncio.wait_for(self._more(reader, early), MORE_TIMEOUT)
+                    seeds.entry(grant.lease_id, who)  # still live
         finally:
             seeds.close_stream(who)
+
+    @staticmethod
+    async def _more(reader: asyncio.StreamReader, early: bytes) -> list[tuple[int, int]]:
+        """The next batch of ranges (``early``: its first bytes, read already); none when
+        the seeder hung up or asked none."""
+        head = early or await reader.read(1)
+        if head:
+            head += await reader.readexactly(MORE.size - len(head))
+        if not head:
+            return []
+        (count,) = MORE.unpack(head)
+        if count > MAX_RANGES:
+            raise InvalidArgumentError(f"{count} ranges in one batch")
+        raw = await reader.readexactly(count * RANGE.size)
+        return [RANGE.unpack_from(raw, i * RANGE.size) for i in range(count)]
 
     async def _ranges(
         self,
@@ -260,7 +307,10 @@ class SendfileServer:
         file: BinaryIO,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-    ) -> None:
+    ) -> bytes | None:
+        """Send ``ranges``; the first bytes of the seeder's next batch if it sent any
+        once they were all out (b"" if not yet), None if it hung up or sent bytes before
+        (the connection ends)."""
         loop = asyncio.get_running_loop()
         rate = self.seeds.max_rate
         # Throttled: chunks of a quarter-second's worth, so the stream is even.
@@ -277,7 +327,7 @@ class SendfileServer:
                         if ahead > 0:
                             await asyncio.wait({closed}, timeout=ahead)
                     if closed.done():
-                        return
+                        return None
                     self.seeds.entry(grant.lease_id, grant.who)  # live, renewed
                     await asyncio.wait_for(
                         loop.sendfile(writer.transport, file, cursor, n, fallback=False),
@@ -286,5 +336,8 @@ class SendfileServer:
                     cursor += n
                     sent += n
             await writer.drain()
+            if closed.done():  # the seeder had all the bytes, and asks more (or hung up)
+                return closed.result() or None
+            return b""
         finally:
             closed.cancel()
