@@ -286,10 +286,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     daemon.add_argument(
         "--seed-plane",
-        choices=("tcp", "grpc"),
+        choices=("tcp", "grpc", "mooncake"),
         default="tcp",
         help="seed bytes over the sendfile data plane (tcp: plaintext, authorized per "
-        "connection; default) or only inside TLS over gRPC (grpc), serving and seeding",
+        "connection; default) or only inside TLS over gRPC (grpc), serving and seeding; "
+        "mooncake: seed through Mooncake's transfer engine from peers with --seed-mooncake",
+    )
+    daemon.add_argument(
+        "--seed-mooncake",
+        action="store_true",
+        help="offer seeding peers Mooncake's transfer engine on the data plane, through a "
+        "staging ring (the `mooncake` extra; docs/seeding.md)",
     )
     daemon.add_argument(
         "--seed-data-port",
@@ -519,6 +526,15 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
     if args.allow_seeding and args.listen is None:
         print("weightcache preload: --allow-seeding needs --listen", file=sys.stderr)
         return EXIT_USAGE
+    if args.seed_mooncake or args.seed_plane == "mooncake":
+        from weightcache_service.mooncake_plane import check_available
+
+        if (why := check_available()) is not None:
+            print(
+                f"weightcache preload: --seed-plane mooncake/--seed-mooncake: {why}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
     if args.allow_remote_preload and not args.model_root:
         print(
             "weightcache preload: --allow-remote-preload needs at least one --model-root",
@@ -581,6 +597,7 @@ def _preload(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int
             seed_max_rate=args.seed_max_rate,
             seed_plane=args.seed_plane,
             seed_data_port=args.seed_data_port,
+            seed_mooncake=args.seed_mooncake,
             budget=MemoryBudget(
                 max_bytes=max_bytes,
                 percent=percent,

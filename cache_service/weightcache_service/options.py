@@ -37,5 +37,6 @@ class ServiceOptions:
     #: ``--seed-stall-timeout``: seconds within which each seed stream must receive a
     #: chunk, or the seed is abandoned for the files.
     seed_stall_timeout: float = DEFAULT_STALL_TIMEOUT
-    #: ``--seed-plane``: ``tcp`` asks a peer for its sendfile data plane; ``grpc`` does not.
+    #: ``--seed-plane``: ``tcp`` asks a peer for its sendfile data plane; ``grpc`` does not;
+    #: ``mooncake`` asks for its Mooncake plane (:mod:`.mooncake_plane`) only.
     seed_plane: str = "tcp"

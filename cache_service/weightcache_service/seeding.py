@@ -12,7 +12,9 @@ the load thread (:meth:`Store.load_seeded`) runs :meth:`Seeder.seed`:
 2. The layout must be this daemon's own plan, tensor for tensor; digests the local hash
    cache holds must be the peer's.
 3. The data plane pulls the arena: the peer's sendfile plane (:mod:`.sendfile_plane`)
-   when it offers one, else ReadSeedData streams (:mod:`.dataplane`).
+   when it offers one, else ReadSeedData streams (:mod:`.dataplane`); with
+   ``--seed-plane mooncake``, Mooncake's transfer engine between staging buffers
+   (:mod:`.mooncake_plane`), through :class:`.seed_sources.Swarm` even from one peer.
 4. Each shard file is rebuilt from this daemon's own header bytes and the received tensor
    bytes, and its sha256 compared with the peer's digest, before the model turns READY.
 
@@ -57,6 +59,7 @@ from weightcache_service.dataplane import (
     TransferError,
 )
 from weightcache_service.events import CacheEvents
+from weightcache_service.mooncake_plane import NOT_OFFERED_WHY, MooncakeReader
 from weightcache_service.seed_sources import Reader, Swarm, SwarmFailedError
 from weightcache_service.sendfile_plane import SendfilePlane, SendfileReader
 from weightcache_service.store import Entry
@@ -150,8 +153,9 @@ class Seeder:
         stall_timeout: seconds within which every stream must receive a chunk
             (``--seed-stall-timeout``), or the seed is abandoned (result ``stalled``).
         plane: ``tcp``: ask the peer for its sendfile data plane (:mod:`.sendfile_plane`)
-            and use it when offered, else ReadSeedData; ``grpc``: ReadSeedData only
-            (``--seed-plane``).
+            and use it when offered, else ReadSeedData; ``grpc``: ReadSeedData only;
+            ``mooncake``: the peer's Mooncake plane (:mod:`.mooncake_plane`) only, a
+            peer that does not offer it failing the seed (``--seed-plane``).
     """
 
     def __init__(
@@ -208,7 +212,7 @@ class Seeder:
         request = pb.BeginSeedRequest(
             components=fingerprint_pb(entry.fingerprint).components,
             ttl_seconds=SEED_LEASE_TTL,
-            data_connections=self.streams if self.plane == "tcp" else 0,
+            data_connections=self.streams if self.plane != "grpc" else 0,
         )
         errors = []
         for target, name in self._targets():
@@ -235,7 +239,7 @@ class Seeder:
         why = seedable(entry)
         if why is not None:
             raise SeedFailedError("unsupported", why)
-        if "," in self.peer or len(self._targets()) > 1:
+        if "," in self.peer or len(self._targets()) > 1 or self.plane == "mooncake":
             self._seed_many(entry, arena)
             return
         channel, begun, address = self._begin(entry)
@@ -354,7 +358,7 @@ class Seeder:
         request = pb.BeginSeedRequest(
             components=fingerprint_pb(entry.fingerprint).components,
             ttl_seconds=SWARM_LEASE_TTL,
-            data_connections=self.streams if self.plane == "tcp" else 0,
+            data_connections=self.streams if self.plane != "grpc" else 0,
         )
         try:
             for peer in self._peers():
@@ -436,7 +440,9 @@ class Seeder:
             digests,
             ",".join(served),
             {
-                "plane": "tcp" if all(s.tcp for s in sources) else "grpc",
+                "plane": self.plane
+                if self.plane == "mooncake"
+                else ("tcp" if all(s.tcp for s in sources) else "grpc"),
                 "begin_seconds": round(pulled - self._start, 3),
                 "transfer_seconds": round(time.monotonic() - pulled, 3),
                 "pieces": report.pieces,
@@ -620,9 +626,26 @@ class PeerSource:
         self._progress(len(data))
 
     def open(self, k: int) -> Reader:
-        """Connection ``k``: a kept sendfile data connection (its ``k``-th secret), or a
-        ReadSeedData reader."""
+        """Connection ``k``: a kept sendfile data connection (its ``k``-th secret), a
+        Mooncake one (``--seed-plane mooncake``), or a ReadSeedData reader.
+
+        Raises:
+            TransferError: ``--seed-plane mooncake`` and the peer offers no data port.
+        """
         seeder, cancelled = self.seeder, lambda: self.entry.cancelled
+        if seeder.plane == "mooncake":
+            if not self.tcp:
+                raise TransferError(NOT_OFFERED_WHY)
+            return MooncakeReader(
+                self.address,
+                self.begun.data_port,
+                self.begun.data_secrets[k],
+                self._into,
+                progress=self._progress,
+                chunk_bytes=seeder.chunk_bytes,
+                stall_timeout=seeder.stall_timeout,
+                cancelled=cancelled,
+            )
         if self.tcp:
             return SendfileReader(
                 self.address,

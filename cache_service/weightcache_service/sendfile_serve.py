@@ -1,7 +1,9 @@
 """The serving side of the sendfile data plane (issue 40): :class:`SendfileServer`, the plain
 TCP listener that checks each data connection's hello (single-use secret, the BeginSeed
 caller's address, a live transfer lease, ranges within the arena) and ``sendfile(2)``s
-the ranges. The wire format and the seeding side: :mod:`.sendfile_plane`.
+the ranges, or, for a hello that asks staging (``--seed-mooncake``), copies them into a
+staging ring for Mooncake's transfer engine (:mod:`.mooncake_plane`). The wire format and
+the seeding side: :mod:`.sendfile_plane`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 from urllib.parse import unquote
 
 import structlog
@@ -33,6 +35,13 @@ from weightcache_service.seed_serve import (
     SeedServer,
 )
 from weightcache_service.sendfile_plane import HELLO, KEEP_OPEN, MORE, RANGE, SECRET_BYTES
+
+if TYPE_CHECKING:
+    from weightcache_service.mooncake_plane import MooncakeStager, StagingBuffer
+
+#: The hello's count bit that asks staging (:data:`.mooncake_plane.STAGE`; the same value,
+#: kept here so that this module imports nothing of Mooncake's plane unless it is used).
+STAGE = 1 << 30
 
 log = structlog.get_logger("weightcache.daemon")
 
@@ -114,12 +123,17 @@ class SendfileServer:
         host: the address to bind (``--listen``'s host).
         port: the port (``--seed-data-port``; 0: any free one, logged and answered in
             BeginSeed).
+        stager: stages ranges for Mooncake's transfer engine (``--seed-mooncake``); None:
+            a staging hello is answered :data:`.mooncake_plane.NOT_OFFERED`.
     """
 
-    def __init__(self, seeds: SeedServer, host: str, port: int = 0) -> None:
+    def __init__(
+        self, seeds: SeedServer, host: str, port: int = 0, stager: MooncakeStager | None = None
+    ) -> None:
         self.seeds = seeds
         self.host = host
         self.port = port
+        self.stager = stager
         self._grants: dict[bytes, _Grant] = {}
         self._pending = 0
         #: Connections awaiting their hello, per peer address.
@@ -206,15 +220,18 @@ class SendfileServer:
                 self._pending -= 1
                 if (left := self._pending_from.pop(address) - 1) > 0:
                     self._pending_from[address] = left
-            secret, ranges, keep = hello
+            secret, ranges, keep, stage = hello
             grant = self._redeem(secret, address)
             if grant is None:
                 log.warning("seed data connection refused", peer=address, why="no valid secret")
                 return
-            await self._send(grant, ranges, reader, writer, keep=keep)
+            if stage:
+                await self._stage(grant, ranges, reader, writer)
+            else:
+                await self._send(grant, ranges, reader, writer, keep=keep)
         except WeightCacheError as err:
             log.warning("seed data connection refused", peer=address, why=err.detail)
-        except (OSError, TimeoutError, RuntimeError) as exc:
+        except (OSError, TimeoutError, RuntimeError, ImportError) as exc:
             # RuntimeError: asyncio's sendfile on a transport the seeder reset meanwhile
             # ("Transport is closing").
             log.warning("seed data connection ended", peer=address, why=str(exc) or "stalled")
@@ -225,14 +242,17 @@ class SendfileServer:
     @staticmethod
     async def _hello(
         reader: asyncio.StreamReader,
-    ) -> tuple[bytes, list[tuple[int, int]], bool]:
-        """The secret, the ranges, and whether the seeder keeps the connection open."""
+    ) -> tuple[bytes, list[tuple[int, int]], bool, bool]:
+        """The secret, the ranges, whether the seeder keeps the connection open, and
+        whether it asks staging (:data:`STAGE`, with :data:`.sendfile_plane.KEEP_OPEN`)."""
         secret, count = HELLO.unpack(await reader.readexactly(HELLO.size))
-        keep, count = bool(count & KEEP_OPEN), count & ~KEEP_OPEN
-        if not 0 < count <= MAX_RANGES:
+        keep, stage = bool(count & KEEP_OPEN), bool(count & STAGE)
+        count &= ~(KEEP_OPEN | STAGE)
+        if not 0 < count <= MAX_RANGES or (stage and not keep):
             raise ValueError(f"{count} ranges")
         raw = await reader.readexactly(count * RANGE.size)
-        return secret, [RANGE.unpack_from(raw, i * RANGE.size) for i in range(count)], keep
+        ranges = [RANGE.unpack_from(raw, i * RANGE.size) for i in range(count)]
+        return secret, ranges, keep, stage
 
     async def _send(
         self,
@@ -284,6 +304,68 @@ class SendfileServer:
                     seeds.entry(grant.lease_id, who)  # still live
         finally:
             seeds.close_stream(who)
+
+    async def _stage(
+        self,
+        grant: _Grant,
+        ranges: list[tuple[int, int]],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """Answer a staging hello (:mod:`.mooncake_plane`): not offered, or the engine's
+        session id; then stage every range asked into the connection's ring, in order,
+        answering each slot, batch after batch, until the seeder asks none or hangs up.
+        The ring is released (unregistered) when the connection ends.
+
+        Raises:
+            ModelNotFoundError: the lease ended.
+            InvalidArgumentError: a range passes the arena or a slot, or the ranges on
+                this connection pass :data:`MAX_CONNECTION_BYTES` arenas.
+            ResourceExhaustedError: the peer, or all peers, have the most streams open.
+            ImportError, OSError, TimeoutError: the engine could not be used, the
+                connection failed, or no next batch came within :data:`MORE_TIMEOUT`.
+        """
+        from weightcache_service import mooncake_plane as mp  # only when the plane is asked
+
+        if self.stager is None:
+            writer.write(mp.ENGINE.pack(mp.NOT_OFFERED, 0))
+            await writer.drain()
+            log.warning("seed data connection refused", peer=grant.who, why=mp.NOT_OFFERED_WHY)
+            return
+        seeds, who = self.seeds, grant.who
+        entry = seeds.entry(grant.lease_id, who)
+        seeds.open_stream(who)
+        ring: StagingBuffer | None = None
+        try:
+            arena = entry.arena
+            assert isinstance(arena, SharedMemoryArena)  # entry() and begin() checked it
+            host = plain_address(str(writer.get_extra_info("sockname")[0]))
+            session, ring = await self.stager.ring(host)
+            writer.write(mp.ENGINE.pack(mp.OFFERED, len(session)) + session.encode("ascii"))
+            with arena.reader() as file:  # its own descriptor: an evict cannot close it
+                total, served = 0, 0
+                while ranges:
+                    total += sum(n for _, n in ranges)
+                    if (
+                        any(o + n > entry.size or n > mp.SLOT_BYTES for o, n in ranges)
+                        or total > MAX_CONNECTION_BYTES * entry.size
+                    ):
+                        raise InvalidArgumentError(
+                            f"the ranges asked pass the {entry.size}-byte arena or a "
+                            f"{mp.SLOT_BYTES}-byte staging slot, or {MAX_CONNECTION_BYTES} "
+                            "times the arena on one connection"
+                        )
+                    for offset, length in ranges:
+                        seeds.entry(grant.lease_id, who)  # live, renewed
+                        at = await self.stager.stage(ring, served, file.fileno(), offset, length)
+                        served += 1
+                        writer.write(mp.STAGED.pack(at, length))
+                    await asyncio.wait_for(writer.drain(), SEND_STALL_TIMEOUT)
+                    ranges = await asyncio.wait_for(self._more(reader, b""), MORE_TIMEOUT)
+        finally:
+            seeds.close_stream(who)
+            if ring is not None:
+                ring.release()
 
     @staticmethod
     async def _more(reader: asyncio.StreamReader, early: bytes) -> list[tuple[int, int]]:

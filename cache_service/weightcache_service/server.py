@@ -218,6 +218,8 @@ class DaemonConfig:
             ReadSeedData; ``grpc``: ReadSeedData only (every byte inside TLS).
         seed_data_port: ``--seed-data-port``: the data plane's port on ``--listen``'s
             host (0: any free one, logged).
+        seed_mooncake: ``--seed-mooncake``: the data plane also stages ranges for
+            Mooncake's transfer engine (:mod:`.mooncake_plane`).
     """
 
     socket: str
@@ -236,6 +238,7 @@ class DaemonConfig:
     seed_max_rate: float = 0.0
     seed_plane: str = "tcp"
     seed_data_port: int = 0
+    seed_mooncake: bool = False
 
 
 class Daemon:
@@ -537,9 +540,14 @@ class Daemon:
                 port=port,
                 max_connections=self._tcp_bound,
             )
-            if self.config.allow_seeding and self.config.seed_plane == "tcp":
+            if self.config.allow_seeding and self.config.seed_plane != "grpc":
                 host, _ = parse_listen(self.config.tcp.address)
-                plane = SendfileServer(seeds, host, self.config.seed_data_port)
+                stager = None
+                if self.config.seed_mooncake:
+                    from weightcache_service.mooncake_plane import MooncakeStager
+
+                    stager = MooncakeStager()
+                plane = SendfileServer(seeds, host, self.config.seed_data_port, stager)
                 try:
                     data_port = await plane.start()
                 except OSError as exc:
