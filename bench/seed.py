@@ -12,8 +12,9 @@ For a model of ``--gib`` GiB in 8 shards, each in its own folder for A and B:
   from ``python -m http.server`` (one connection) as the plain "cp over HTTP" figure.
 - **seed**: daemon B (``--seed-from A``, mutual TLS) loading the model from daemon A,
   for each ``--plans`` entry (``PLANE:STREAMSxCHUNK_MIB``: ``tcp``, the sendfile data
-  plane, or ``grpc``, ReadSeedData streams): B's ``loaded`` seconds (arena, transfer,
-  sha256 of every shard, READY).
+  plane, ``grpc``, ReadSeedData streams, or ``mooncake``, Mooncake's transfer engine
+  between staging buffers, A then started with ``--seed-mooncake``): B's ``loaded``
+  seconds (arena, transfer, sha256 of every shard, READY).
 - **transfer alone** (issue 40): a process in B that calls BeginSeed on daemon A and
   pulls the whole arena over the sendfile data plane (``SendfilePlane``, ``--raw``
   connections) into a populated anonymous mapping: no hashing, no daemon B.
@@ -378,7 +379,7 @@ def main() -> int:
     parser.add_argument(
         "--plans",
         default="tcp:2x4,tcp:4x4,grpc:4x4",
-        help="seed plans: PLANE:STREAMSxCHUNK_MIB (PLANE tcp or grpc), comma-separated",
+        help="seed plans: PLANE:STREAMSxCHUNK_MIB (PLANE tcp, grpc or mooncake), comma-separated",
     )
     parser.add_argument(
         "--raw", default="1,4", help="connections of the transfer-alone runs, comma-separated"
@@ -407,11 +408,16 @@ def main() -> int:
                     while fh.read(64 << 20):
                         pass
             pki: Pki = make_pki(root / "pki", [a_ip])
+            plans = [
+                (p.split(":")[0], *(int(x) for x in p.split(":")[1].split("x")))
+                for p in args.plans.split(",")
+            ]
+            mooncake = ["--seed-mooncake"] if any(p[0] == "mooncake" for p in plans) else []
             a = run_daemon(
                 ns_a, root / "a", "a", root / "a" / "model",
                 ["--listen", f"{a_ip}:{PORT}", "--tls-cert", str(pki.server_cert),
                  "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca),
-                 "--allow-seeding"],
+                 "--allow-seeding", *mooncake],
                 hashes=root / "a" / "hashes",
             )  # fmt: skip
             results: dict[str, list[float]] = {}
@@ -419,10 +425,6 @@ def main() -> int:
                 "--seed-from", f"{a_ip}:{PORT}", "--peer-tls-cert", str(pki.client_cert),
                 "--peer-tls-key", str(pki.client_key), "--peer-tls-ca", str(pki.ca),
             ]  # fmt: skip
-            plans = [
-                (p.split(":")[0], *(int(x) for x in p.split(":")[1].split("x")))
-                for p in args.plans.split(",")
-            ]
             client = [str(pki.ca), str(pki.client_cert), str(pki.client_key)]
             try:
                 for r in range(args.rounds):
