@@ -72,9 +72,7 @@ def test_seeds_through_the_transfer_engine_from_a_peer_that_offers_it(
 
 
 @netns_only
-def test_a_peer_without_it_is_named_and_the_files_loaded(
-    room: Path, link: Link, pki: Pki
-) -> None:
+def test_a_peer_without_it_is_named_and_the_files_loaded(room: Path, link: Link, pki: Pki) -> None:
     a_node, b_node = _nodes(room, link)
     seeding = [*_seeding_args(pki, link), "--seed-plane", "mooncake"]
     with _running(a_node, _serving(pki, link)) as a, _running(b_node, seeding) as b:

@@ -4,15 +4,15 @@ One small interface, :class:`DataPlane`, with two implementations: the sendfile 
 plane (:class:`.sendfile_plane.SendfilePlane`, the default: the kernel moves the bytes,
 plaintext, authorized per connection) and :class:`GrpcStreamPlane`: ``ReadSeedData``
 server-streaming calls over the same mutual-TLS gRPC channel as ``BeginSeed``, several
-in parallel over contiguous ranges. An RDMA transfer engine (Mooncake's, NIXL) would be a
-third, registering a staging buffer, never a live arena (docs/seeding.md, "Data plane").
+in parallel over contiguous ranges. Mooncake's transfer engine (``--seed-plane
+mooncake``, for RDMA fabrics) is a third, as a :class:`.seed_sources.Reader`
+(:class:`.mooncake_plane.MooncakeReader`), registering staging buffers, never an arena.
 
-Why not Mooncake's transfer engine today (docs/seeding.md, "Data plane", with the
-figures of ``bench/seed_mooncake_ceiling.py``): over TCP it authenticates no peer, listens
-on every interface, and lets whoever reaches it read and write a registered region; and
+Why Mooncake's engine is not the default (docs/seeding.md, "Data plane", with the figures
+of ``bench/seed_mooncake_ceiling.py``): over TCP it authenticates no peer, listens on
+every interface, and lets whoever reaches it read and write a registered region; and
 between two network namespaces here it moved a bare 2 GiB buffer at 0.24x to 0.40x of the
-link (median), before any hashing: too slow to reach the goal even with a staging copy
-that would keep held arenas off the network.
+link (median), before any hashing and before the staging copies.
 """
 
 from __future__ import annotations
