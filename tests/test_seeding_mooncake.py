@@ -11,6 +11,7 @@ required: without it :func:`test_the_transfer_engine_is_importable` fails, it ne
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tests.security_support import Pki
@@ -41,6 +42,13 @@ def test_the_transfer_engine_is_importable() -> None:
     assert check_available() is None
 
 
+def mooncake_mapped(pid: int) -> bool:
+    """Whether process ``pid`` has mapped Mooncake's engine (``mooncake/engine.so``): its
+    import, seen from outside (as ``tests/test_torch_free.py`` sees torch's)."""
+    with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+        return any(line.rstrip().endswith(os.path.join("mooncake", "engine.so")) for line in maps)
+
+
 def _serving(pki: Pki, link: Link, *extra: str) -> list[str]:
     return _serving_args(pki, link, "--tls-client-ca", str(pki.ca), "--allow-seeding", *extra)
 
@@ -59,6 +67,7 @@ def test_seeds_through_the_transfer_engine_from_a_peer_that_offers_it(
         [seeded] = _events(b, "seeded")
         worker = _worker_in(b_node, b)  # bitwise against safetensors reading the files
         served = _events(a, "seed data connection refused")
+        mapped = (mooncake_mapped(a.pid), mooncake_mapped(b.pid))
 
     peer = f"{link.a_ip}:{PORT}"
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {peer}")
@@ -69,6 +78,7 @@ def test_seeds_through_the_transfer_engine_from_a_peer_that_offers_it(
     assert worker == {"source": "cache", "tensors": 9}
     assert _events(b, SEED_FAILED) == []  # no fallback to the files
     assert served == []
+    assert mapped == (True, True)  # the engine, at both ends
 
 
 @netns_only
@@ -80,6 +90,7 @@ def test_a_peer_without_it_is_named_and_the_files_loaded(room: Path, link: Link,
         [failed] = _events(b, SEED_FAILED)
         worker = _worker_in(b_node, b)
         refused = _events(a, "seed data connection refused")
+        mapped = mooncake_mapped(a.pid)
 
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, "checkpoint")
     assert (failed["result"], failed["why"]) == (
@@ -88,5 +99,6 @@ def test_a_peer_without_it_is_named_and_the_files_loaded(room: Path, link: Link,
     )
     assert NOT_OFFERED_WHY == "the peer does not offer the mooncake data plane (--seed-mooncake)"
     assert refused and {r["why"] for r in refused} == {NOT_OFFERED_WHY}
+    assert mapped is False  # a daemon without --seed-mooncake never imports Mooncake
     assert _events(b, "seeded") == []
     assert worker == {"source": "cache", "tensors": 9}
