@@ -277,6 +277,8 @@ class MooncakeReader:
                 included), the peer does not offer the plane (:data:`NOT_OFFERED_WHY`),
                 a transfer failed, :meth:`abort` or ``cancelled()``.
         """
+        if length <= 0:
+            return
         pieces = [
             (o, min(SLOT_BYTES, offset + length - o))
             for o in range(offset, offset + length, SLOT_BYTES)

@@ -319,8 +319,9 @@ class SendfileServer:
 
         Raises:
             ModelNotFoundError: the lease ended.
-            InvalidArgumentError: a range passes the arena or a slot, or the ranges on
-                this connection pass :data:`MAX_CONNECTION_BYTES` arenas.
+            InvalidArgumentError: a range is empty or passes the arena or a slot, or
+                the ranges on this connection pass :data:`MAX_CONNECTION_BYTES` arenas or
+                :data:`MAX_RANGES` plus one per slot of those bytes.
             ResourceExhaustedError: the peer, or all peers, have the most streams open.
             ImportError, OSError, TimeoutError: the engine could not be used, the
                 connection failed, or no next batch came within :data:`MORE_TIMEOUT`.
@@ -344,16 +345,21 @@ class SendfileServer:
             writer.write(mp.ENGINE.pack(mp.OFFERED, len(session)) + session.encode("ascii"))
             with arena.reader() as file:  # its own descriptor: an evict cannot close it
                 total, served = 0, 0
+                # As many ranges as the sendfile plane takes, plus one per slot's worth of
+                # the bytes it takes: a seeder cuts each piece into slots.
+                most = MAX_RANGES + MAX_CONNECTION_BYTES * -(-entry.size // mp.SLOT_BYTES)
                 while ranges:
                     total += sum(n for _, n in ranges)
                     if (
-                        any(o + n > entry.size or n > mp.SLOT_BYTES for o, n in ranges)
+                        any(o + n > entry.size or not 0 < n <= mp.SLOT_BYTES for o, n in ranges)
                         or total > MAX_CONNECTION_BYTES * entry.size
+                        or served + len(ranges) > most
                     ):
                         raise InvalidArgumentError(
-                            f"the ranges asked pass the {entry.size}-byte arena or a "
-                            f"{mp.SLOT_BYTES}-byte staging slot, or {MAX_CONNECTION_BYTES} "
-                            "times the arena on one connection"
+                            f"the ranges asked pass the {entry.size}-byte arena, are empty "
+                            f"or pass a {mp.SLOT_BYTES}-byte staging slot, or pass "
+                            f"{MAX_CONNECTION_BYTES} times the arena or {most} ranges on "
+                            "one connection"
                         )
                     for offset, length in ranges:
                         seeds.entry(grant.lease_id, who)  # live, renewed
