@@ -67,12 +67,12 @@ from weightcache_service.segments import (
     segment_name,
     segment_prefix,
 )
-from weightcache_service.sendfile_serve import SendfileServer
 from weightcache_service.servicer import WeightCacheServicer, register_raw_seed_data
 from weightcache_service.socket_lock import SocketLock, SocketLostError
 
 if TYPE_CHECKING:
     from weightcache_service.metrics import MetricsListener
+    from weightcache_service.sendfile_serve import SendfileServer
 from weightcache_service.store import Entry, Store
 
 log = structlog.get_logger("weightcache.daemon")
@@ -537,6 +537,8 @@ class Daemon:
                 max_connections=self._tcp_bound,
             )
             if self.config.allow_seeding and self.config.seed_plane == "tcp":
+                from weightcache_service.sendfile_serve import SendfileServer
+
                 host, _ = parse_listen(self.config.tcp.address)
                 plane = SendfileServer(seeds, host, self.config.seed_data_port)
                 try:
