@@ -12,7 +12,7 @@
    MODEL_NOT_FOUND, exit 1) and ``gc --dry-run``; each process is the console script the
    package installs (``.venv/bin/weightcache``);
 3. prints each command's median and min wall time and its median over the baseline's,
-   and whether the processes ran from cached bytecode (``bytecode.describe``);
+   and whether the processes ran from cached bytecode (``pycache.describe``);
    ``--bytecode``: every process caches its bytecode in the folder, warmed by an untimed
    pass first (what an installed package runs from: ``pip install`` compiles it);
 4. stops the daemon and removes the folder (also on failure or Ctrl-C).
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import bytecode
+import pycache
 
 #: The commands measured, after ``weightcache``; ``{socket}`` is the daemon's.
 COMMANDS: dict[str, list[str]] = {
@@ -103,12 +103,13 @@ def main() -> int:
     try:
         checkpoints = make_checkpoints(folder)
         if args.bytecode:
-            bytecode.use_cache(folder / "pycache")
+            pycache.use_cache(folder / "pycache")
         with run_daemon([checkpoints.single]) as daemon:
             if args.bytecode:
                 measure(daemon.socket, 1, args.skip)  # writes it, untimed
-            print(bytecode.describe())
-            report(measure(daemon.socket, args.repeat, args.skip))
+            times = measure(daemon.socket, args.repeat, args.skip)
+            print(f"load average {os.getloadavg()[0]:.1f}; {pycache.describe()}")
+            report(times)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return 0

@@ -18,7 +18,7 @@ fresh process:
   model adopted (the wall time an operator's restart takes).
 
 Prints each row's median and min, and its median over the baseline's, and whether the
-processes ran from cached bytecode (``bytecode.describe``); ``--bytecode``: every process
+processes ran from cached bytecode (``pycache.describe``); ``--bytecode``: every process
 caches its bytecode in the temporary folder, warmed by an untimed round first (what an
 installed daemon runs from: ``pip install`` compiles it). Removes its temporary folder
 (sockets, checkpoint, hash cache, bytecode) at the end, also on failure.
@@ -42,8 +42,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import bytecode
 import numpy as np
+import pycache
 from safetensors.numpy import save_file
 
 BASELINE = "python -c 'import grpc'"
@@ -179,7 +179,7 @@ def main() -> None:
         os.environ["WEIGHTCACHE_HASH_CACHE"] = str(root / "hashes")
         model = write_checkpoint(root / "model", args.mib)
         if args.bytecode:
-            bytecode.use_cache(root / "pycache")
+            pycache.use_cache(root / "pycache")
             one_round(root, model, collections.defaultdict(list))  # writes it, untimed
         times: dict[str, list[float]] = {
             BASELINE: [],
@@ -193,7 +193,7 @@ def main() -> None:
             one_round(root, model, times)
         load = os.getloadavg()
         print(f"{args.rounds} rounds, {os.cpu_count()} CPUs, load average {load[0]:.1f}")
-        print(f"hand-over checkpoint {args.mib} MiB; seconds unless MiB; {bytecode.describe()}")
+        print(f"hand-over checkpoint {args.mib} MiB; seconds unless MiB; {pycache.describe()}")
         report(times)
     finally:
         shutil.rmtree(root, ignore_errors=True)
