@@ -23,9 +23,10 @@ from safetensors.torch import load_file
 
 import weightcache
 from tests.support import assert_attached
+from weightcache.core.sockets import segment_tag
 from weightcache.testing import Checkpoints, Daemon, DaemonPool, WorkerPool
 from weightcache.testing.checkpoints import assert_bitwise_equal
-from weightcache.testing.daemon import child_env
+from weightcache.testing.daemon import child_env, shm_segments
 
 #: Runs ``weightcache_service.cli.main`` on each argv of the JSON list in argv[1], in one
 #: process (so the union of what the commands import is checked), and prints each exit
@@ -245,7 +246,8 @@ def test_a_daemon_serving_a_plain_checkpoint_imports_only_what_it_uses(
     loaded = imported_by_daemon(argv, tmp_path / "notify", LAZY)
 
     assert loaded == []
-    assert not os.path.exists(socket)  # it stopped cleanly
+    # It stopped cleanly: its socket removed, its arena freed.
+    assert (os.path.exists(socket), shm_segments(segment_tag(socket))) == (False, [])
 
 
 def test_the_admin_commands_import_neither_the_daemon_nor_what_they_do_not_use(
