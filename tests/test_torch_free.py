@@ -4,6 +4,10 @@ the bytes of the disk path.
 
 A daemon's imports are seen from outside in ``/proc/<pid>/maps``: ``import torch`` maps
 ``libtorch*.so`` (torch's C++ libraries) into the process, and nothing unmaps them.
+
+The same for the other modules a path does not use (issue 39, item 2: start in
+milliseconds): a daemon's start and the admin commands leave out what only another path
+needs (:data:`LAZY`), seen in ``sys.modules`` of a fresh process.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from safetensors.torch import load_file
 
 import weightcache
 from tests.support import assert_attached
+from weightcache.core.sockets import segment_tag
 from weightcache.testing import Checkpoints, Daemon, DaemonPool, WorkerPool
 from weightcache.testing.checkpoints import assert_bitwise_equal
-from weightcache.testing.daemon import child_env
+from weightcache.testing.daemon import child_env, shm_segments
 
 #: Runs ``weightcache_service.cli.main`` on each argv of the JSON list in argv[1], in one
 #: process (so the union of what the commands import is checked), and prints each exit
@@ -36,6 +41,57 @@ for argv in json.loads(sys.argv[1]):
     except SystemExit as exc:
         codes.append(exc.code)
 print(json.dumps({"codes": codes, "torch": "torch" in sys.modules}))
+"""
+
+#: Modules that a daemon serving plain checkpoints over its Unix socket and the admin
+#: commands (but ``load``, with its progress bar, and ``ls --json``/``info --json``: protobuf's
+#: JSON mapping) do not use, each imported only on the path that does (issue 39, item 2).
+LAZY = (
+    "torch",
+    "rich",  # structlog's pretty tracebacks; `weightcache load`'s progress bar
+    "grpc._channel",  # grpc's synchronous channels: the SDK's and the admin commands'
+    "google.protobuf.json_format",  # the hand-over manifest; `--json`
+    "google.protobuf.descriptor_pb2",  # grpcio-reflection
+    "grpc_reflection.v1alpha.reflection",  # at the first reflection call
+    "weightcache.core.cuda",  # a GPU's device UUIDs and CUDA IPC, through ctypes
+    "weightcache_service.sendfile_serve",  # --allow-seeding's data plane
+    "weightcache_service.metrics",  # --metrics-listen
+    "prometheus_client",
+)
+#: What the admin commands do not import: :data:`LAZY` but grpc's synchronous channels
+#: (theirs), and the daemon's own modules and its log.
+ADMIN_LAZY = (
+    *(name for name in LAZY if name != "grpc._channel"),
+    "structlog",
+    "weightcache_service.server",
+    "weightcache_service.cache",
+    "weightcache_service.store",
+    "weightcache_service.handover",
+)
+
+#: As :data:`_ADMIN`, printing which of the module names in argv[2] were imported.
+_ADMIN_MODULES = _ADMIN.replace(
+    '"torch": "torch" in sys.modules',
+    '"loaded": sorted(n for n in json.loads(sys.argv[2]) if n in sys.modules)',
+)
+
+#: Runs the daemon (``cli.main``, argv in argv[1] as JSON) in the main thread; a thread
+#: waits for its ``READY=1`` on a ``$NOTIFY_SOCKET`` of its own (what systemd reads),
+#: prints which of the module names in argv[2] are imported, then stops it by SIGTERM.
+_DAEMON = """
+import json, os, signal, socket, sys, threading
+from weightcache_service.cli import main
+notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+notify.bind(sys.argv[3])
+os.environ["NOTIFY_SOCKET"] = sys.argv[3]
+def watch():
+    while b"READY=1" not in notify.recv(4096).split(b"\\n"):
+        pass
+    loaded = sorted(name for name in json.loads(sys.argv[2]) if name in sys.modules)
+    print(json.dumps(loaded), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=watch, daemon=True).start()
+main(json.loads(sys.argv[1]))
 """
 
 
@@ -160,3 +216,71 @@ def test_the_daemons_torch_version_is_read_without_importing_torch() -> None:
     )
 
     assert result.stdout == "True False\n"
+
+
+def imported_by_daemon(argv: list[str], notify: Path, names: tuple[str, ...]) -> list[str]:
+    """Start a daemon (``weightcache ARGV``) in a fresh process; which of ``names`` it has
+    imported once ready (``READY=1``). It is stopped (SIGTERM) and must exit 0.
+
+    Raises:
+        subprocess.CalledProcessError: it exited with another status.
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", _DAEMON, json.dumps(argv), json.dumps(names), str(notify)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+        check=True,
+    )
+    loaded: list[str] = json.loads(result.stdout.splitlines()[-1])
+    return loaded
+
+
+def test_a_daemon_serving_a_plain_checkpoint_imports_only_what_it_uses(
+    checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    socket = str(tmp_path / "d.sock")
+    argv = ["preload", str(checkpoints.single), "--socket", socket]
+
+    loaded = imported_by_daemon(argv, tmp_path / "notify", LAZY)
+
+    assert loaded == []
+    # It stopped cleanly: its socket removed, its arena freed.
+    assert (os.path.exists(socket), shm_segments(segment_tag(socket))) == (False, [])
+
+
+def test_the_admin_commands_import_neither_the_daemon_nor_what_they_do_not_use(
+    plain_daemon: Daemon,
+) -> None:
+    socket = ["--socket", plain_daemon.socket]
+    commands = [
+        ["ls", *socket],
+        ["info", *socket],
+        ["leases", *socket],
+        ["health", *socket],
+        ["health", "--liveness", *socket],
+        ["evict", "no-such-model", *socket],  # refused: MODEL_NOT_FOUND decoded
+        ["gc", "--dry-run"],
+        ["--version"],
+    ]
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _ADMIN_MODULES,
+            json.dumps(commands),
+            json.dumps(ADMIN_LAZY),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+        check=True,
+    )
+
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        "codes": [0, 0, 0, 0, 0, 1, 0, 0],
+        "loaded": [],
+    }

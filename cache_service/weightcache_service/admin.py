@@ -11,7 +11,6 @@ modules (``weightcache health`` is an exec probe). A refusal is decoded by
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -92,6 +91,8 @@ def _not_ready_models(socket: str, timeout: float) -> list[str]:
 def _print_json(message: Message) -> None:
     """``message`` in the protobuf JSON mapping, except that 64-bit integers stay numbers
     (the mapping writes them as strings, which a shell's ``jq`` would compare as text)."""
+    import json
+
     from google.protobuf import json_format
 
     data = json_format.MessageToDict(

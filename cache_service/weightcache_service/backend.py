@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from weightcache.core.cuda import device_uuid, local_index
 from weightcache.core.sockets import CPU, parse_device
 from weightcache_service.access import Access
 from weightcache_service.arena import Arena, SharedMemoryArena
@@ -92,6 +91,8 @@ def resolve_device(device: str) -> Device:
         return CPU_DEVICE
     import torch  # only for a GPU: a CPU daemon never imports torch (issue 39)
 
+    from weightcache.core.cuda import device_uuid, local_index  # ctypes: a GPU's only
+
     if not torch.cuda.is_available():
         raise DeviceError(f"--device {device}: torch sees no CUDA/ROCm device")
     target = text.removeprefix("cuda:")
@@ -111,6 +112,7 @@ def resolve_device(device: str) -> Device:
 
 def cuda_backend(index: int) -> Backend:
     """Arenas of ``cudaMalloc`` memory on device ``index``, exported by CUDA IPC."""
+    from weightcache.core.cuda import device_uuid
     from weightcache_service.cuda_arena import CudaArena
 
     def make(size: int) -> Arena:

@@ -32,8 +32,6 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from google.protobuf import json_format
-
 from weightcache.core.checkpoint import FileIdentity
 from weightcache.core.errors import WeightCacheError
 from weightcache.core.fingerprint import Fingerprint
@@ -189,6 +187,9 @@ def read_manifest(path: str, refused: list[str]) -> list[HeldModel] | None:
     items = document.get("models")
     if not isinstance(items, list):
         raise HandOverRefusedError("the manifest is malformed: no list of models")
+    # Only with a manifest to read: a start without one does not import it (issue 39).
+    from google.protobuf import json_format
+
     held = []
     for index, item in enumerate(items):
         try:
@@ -242,6 +243,8 @@ def _check_file(st: os.stat_result, path: str) -> None:
 
 
 def _model_json(model: HeldModel) -> dict[str, Any]:
+    from google.protobuf import json_format
+
     return {
         "name": model.name,
         "path": model.path,
@@ -340,6 +343,8 @@ def _model_from_json(item: dict[str, Any]) -> HeldModel:
         KeyError, TypeError, ValueError, json_format.ParseError, WeightCacheError: a
             field is missing, or a message does not parse.
     """
+    from google.protobuf import json_format
+
     recipe = json_format.ParseDict(item["recipe"], pb.Recipe())
     placement = json_format.ParseDict(item["placement"], pb.Placement())
     fingerprint = json_format.ParseDict(item["fingerprint"], pb.Fingerprint())

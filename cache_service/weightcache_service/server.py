@@ -68,12 +68,12 @@ from weightcache_service.segments import (
     segment_name,
     segment_prefix,
 )
-from weightcache_service.sendfile_serve import SendfileServer
 from weightcache_service.servicer import WeightCacheServicer, register_raw_seed_data
 from weightcache_service.socket_lock import SocketLock, SocketLostError
 
 if TYPE_CHECKING:
     from weightcache_service.metrics import MetricsListener
+    from weightcache_service.sendfile_serve import SendfileServer
 from weightcache_service.store import Entry, Store
 
 log = structlog.get_logger("weightcache.daemon")
@@ -541,6 +541,8 @@ class Daemon:
                 max_connections=self._tcp_bound,
             )
             if self.config.allow_seeding and self.config.seed_plane != "grpc":
+                from weightcache_service.sendfile_serve import SendfileServer
+
                 host, _ = parse_listen(self.config.tcp.address)
                 stager = None
                 if self.config.seed_mooncake:

@@ -12,7 +12,7 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar, cast, get_args
+from typing import TYPE_CHECKING, Any, TypeVar, cast, get_args
 
 import grpc
 
@@ -64,8 +64,11 @@ from weightcache_service.lease_grants import Outbox
 from weightcache_service.peers import connections, holder
 from weightcache_service.refusals import RefusalLog
 from weightcache_service.seed_serve import SeedServer
-from weightcache_service.sendfile_serve import SendfileServer, peer_address
 from weightcache_service.store import Entry, clip
+
+if TYPE_CHECKING:
+    # The seeding data plane: imported by the daemon only with --allow-seeding (issue 39).
+    from weightcache_service.sendfile_serve import SendfileServer
 
 #: KeepAlive answers queued for a peer before its stream is no longer read.
 MAX_PENDING_RESPONSES = 64
@@ -367,6 +370,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServiceServicer):
         lease_id, entry = self.seeds.begin(components, float(request.ttl_seconds), who)
         data_port, data_secrets = 0, []
         if self.data_plane is not None and request.data_connections > 0:
+            from weightcache_service.sendfile_serve import peer_address
+
             address = peer_address(context.peer())
             data_port = self.data_plane.port
             data_secrets = self.data_plane.grant(lease_id, who, address, request.data_connections)

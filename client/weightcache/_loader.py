@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import importlib
 import os
 import socket
 import time
@@ -105,6 +106,13 @@ from weightcache.core.timestamps import stamps_every_write
 from weightcache.core.version import __version__
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1.weight_cache_service_pb2_grpc import WeightCacheServiceStub
+
+# grpc imports its channel module on a process's first insecure_channel (about 4 ms here,
+# bench/README.md): imported with the SDK instead, a worker's first load() does not pay it.
+# Here, not in core.rpc: the daemon, which serves through grpc.aio and opens no such
+# channel, would pay it at every start (issue 39).
+with contextlib.suppress(ImportError):  # a private module: a later grpcio may move it
+    importlib.import_module("grpc._channel")
 
 log = get_logger("weightcache")
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -16,11 +14,6 @@ from weightcache.core.per_process import PerProcess
 from weightcache.core.sockets import no_socket, socket_denied
 from weightcache.v1 import weight_cache_service_pb2 as pb
 from weightcache.v1 import weight_cache_service_pb2_grpc as pb_grpc
-
-# grpc imports its channel module on a process's first insecure_channel (about 4 ms here,
-# bench/README.md): imported with the SDK instead, a worker's first load() does not pay it.
-with contextlib.suppress(ImportError):  # a private module: a later grpcio may move it
-    importlib.import_module("grpc._channel")
 
 T = TypeVar("T")
 #: The service's full name: what a daemon's gRPC health service reports SERVING once its

@@ -26,7 +26,6 @@ the CPU paths of the admin commands stay fast (``weightcache health`` is an exec
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import TYPE_CHECKING, Union
 
@@ -194,6 +193,8 @@ def segment_tag(socket: str) -> str:
     daemons hold different locks, and neither may take the other's segments for its
     predecessor's.
     """
+    import hashlib  # here: the admin commands name no segment (issue 39)
+
     folder, name = os.path.split(os.path.abspath(socket))
     path = os.path.join(os.path.realpath(folder), name)
     return hashlib.sha256(f"{mount_namespace()}\0{path}".encode()).hexdigest()[:12]
