@@ -27,6 +27,9 @@ at the first line that names them:
 - ``serving``: the first answer to ``GET /v1/models``;
 - ``first reply``: the answer to one completion of 8 tokens, asked once serving.
 
+With ``--threads``, each server's processes are listed after the first reply (from
+``/proc``): their OpenMP variables, thread count and the CPUs their threads may run on.
+
 With ``--cold``, the page cache is dropped before each server (``/proc/sys/vm/drop_caches``,
 root): the checkpoint's and vLLM's own files are read from disk again. Prints the median
 of each phase's end per mode and the ratio of the first mode's over the last's, and the
@@ -37,6 +40,7 @@ its temporary folder at the end, also on failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -71,7 +75,29 @@ MARKERS = {
 TIMEOUT = 600.0
 
 
-def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> tuple[dict[str, float], str]:
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid``, children first (``/proc/PID/task/TID/children``)."""
+    found: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def threads_of(pid: int) -> str:
+    """One process's name, OpenMP variables, thread count and its threads' CPU sets."""
+    name = Path(f"/proc/{pid}/comm").read_text().strip()
+    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    pairs = (item.split("=", 1) for item in environ.split("\0") if "=" in item)
+    omp = {k: v for k, v in pairs if k.startswith(("OMP_", "GOMP_", "KMP_AFFINITY"))}
+    tasks = os.listdir(f"/proc/{pid}/task")
+    cpus = sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in tasks})
+    return f"{name:<16} threads={len(tasks):<3} CPUs of its threads={cpus} {omp}"
+
+
+def one_server(
+    model: Path, mode: str, daemon: str, tmp: Path, threads: bool = False
+) -> tuple[dict[str, float], str]:
     """Start a server in ``mode``, time its phases and first reply, stop it; the reply."""
     listen = tmp / f"{mode}.sock"
     listen.unlink(missing_ok=True)
@@ -118,6 +144,10 @@ def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> tuple[dict[str
         body = {"model": str(model), "prompt": "The cache", "max_tokens": 8, "temperature": 0.0}
         reply = request(listen, "POST", "/v1/completions", body)["choices"][0]["text"]
         ends["first reply"] = time.monotonic() - start
+        if threads:
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended
+                    print(f"    {mode} pid {pid}: {threads_of(pid)}")
         installed = any("weightcache: installed " in line for line in lines)
         if mode.startswith("weightcache") and not installed:
             raise RuntimeError("the weightcache server did not install the daemon's tensors")
@@ -142,6 +172,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cold", action="store_true", help="drop the page cache each time")
+    parser.add_argument("--threads", action="store_true", help="list each server's threads")
     parser.add_argument("--modes", default="default,weightcache", help=f"of {','.join(MODES)}")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="wc-vllm-serve-") as name:
@@ -160,7 +191,7 @@ def main() -> None:
                 for mode in modes:
                     if args.cold:
                         drop_caches()
-                    ends, reply = one_server(model, mode, daemon_socket, tmp)
+                    ends, reply = one_server(model, mode, daemon_socket, tmp, args.threads)
                     runs[mode].append(ends)
                     replies[mode].add(reply)
                     print(f"  round {round_} {mode:<12} " + json.dumps(ends, default=round))
