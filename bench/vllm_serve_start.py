@@ -9,7 +9,12 @@ A random-weight bf16 Llama (``vllm_load.write_model``) and one daemon holding it
 --gpu-memory-utilization 0.1 --uds SOCK`` (the tests' KV-cache share) with the
 default loader (``default``) and with ``--load-format weightcache`` on the daemon
 (``weightcache``); ``--modes`` adds ``default-uni`` and ``weightcache-uni``, the same with
-``--distributed-executor-backend uni`` (the worker in the engine core's process). Every
+``--distributed-executor-backend uni`` (which vLLM's CPU platform turns back into ``mp``
+while ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 1: ``CpuPlatform.check_and_update_config``),
+and ``default-inproc`` and ``weightcache-inproc``, ``uni`` with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the worker really in the engine core's process, the
+engine core still its own process; vLLM's CPU platform calls this unsupported: the worker's
+OpenMP threads are not bound). Every
 line the server prints is stamped on arrival (seconds since the spawn); the phases end
 at the first line that names them:
 
@@ -22,15 +27,20 @@ at the first line that names them:
 - ``serving``: the first answer to ``GET /v1/models``;
 - ``first reply``: the answer to one completion of 8 tokens, asked once serving.
 
+With ``--threads``, each server's processes are listed after the first reply (from
+``/proc``): their OpenMP variables, thread count and the CPUs their threads may run on.
+
 With ``--cold``, the page cache is dropped before each server (``/proc/sys/vm/drop_caches``,
 root): the checkpoint's and vLLM's own files are read from disk again. Prints the median
-of each phase's end per mode and the ratio of the first mode's over the last's; removes
+of each phase's end per mode and the ratio of the first mode's over the last's, and the
+distinct replies (greedy, 8 tokens) per mode, to show whether a mode changes tokens; removes
 its temporary folder at the end, also on failure.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -45,7 +55,14 @@ from vllm_load import bench_model, start_daemon, wait_ready
 
 from weightcache.testing.unix_http import request
 
-MODES = ("default", "weightcache", "default-uni", "weightcache-uni")
+MODES = (
+    "default",
+    "weightcache",
+    "default-uni",
+    "weightcache-uni",
+    "default-inproc",
+    "weightcache-inproc",
+)
 #: Phase name -> the server lines (any of them) whose first ends it, in start order.
 MARKERS = {
     "API server up": ("(APIServer pid=",),
@@ -58,8 +75,30 @@ MARKERS = {
 TIMEOUT = 600.0
 
 
-def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, float]:
-    """Start a server in ``mode``, time its phases and first reply, stop it."""
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid``, children first (``/proc/PID/task/TID/children``)."""
+    found: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def threads_of(pid: int) -> str:
+    """One process's name, OpenMP variables, thread count and its threads' CPU sets."""
+    name = Path(f"/proc/{pid}/comm").read_text().strip()
+    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    pairs = (item.split("=", 1) for item in environ.split("\0") if "=" in item)
+    omp = {k: v for k, v in pairs if k.startswith(("OMP_", "GOMP_", "KMP_AFFINITY"))}
+    tasks = os.listdir(f"/proc/{pid}/task")
+    cpus = sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in tasks})
+    return f"{name:<16} threads={len(tasks):<3} CPUs of its threads={cpus} {omp}"
+
+
+def one_server(
+    model: Path, mode: str, daemon: str, tmp: Path, threads: bool = False
+) -> tuple[dict[str, float], str]:
+    """Start a server in ``mode``, time its phases and first reply, stop it; the reply."""
     listen = tmp / f"{mode}.sock"
     listen.unlink(missing_ok=True)
     command = [str(Path(sys.executable).parent / "weightcache-vllm"), "serve", str(model)]
@@ -68,10 +107,13 @@ def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, floa
         command += ["--load-format", "weightcache", "--model-loader-extra-config", extra]
     command += ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128"]
     command += ["--gpu-memory-utilization", "0.1", "--uds", str(listen), "--seed", "0"]
-    if mode.endswith("-uni"):
+    env = dict(os.environ)
+    if mode.endswith(("-uni", "-inproc")):
         # The worker in the engine core's process: one process less to spawn and import.
         command += ["--distributed-executor-backend", "uni"]
-    env = dict(os.environ)
+    if mode.endswith("-inproc"):
+        # Else vLLM's CPU platform turns ``uni`` back into ``mp``.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     start = time.monotonic()
     proc = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -100,8 +142,12 @@ def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, floa
                 time.sleep(0.2)
         ends["serving"] = time.monotonic() - start
         body = {"model": str(model), "prompt": "The cache", "max_tokens": 8, "temperature": 0.0}
-        request(listen, "POST", "/v1/completions", body)
+        reply = request(listen, "POST", "/v1/completions", body)["choices"][0]["text"]
         ends["first reply"] = time.monotonic() - start
+        if threads:
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended
+                    print(f"    {mode} pid {pid}: {threads_of(pid)}")
         installed = any("weightcache: installed " in line for line in lines)
         if mode.startswith("weightcache") and not installed:
             raise RuntimeError("the weightcache server did not install the daemon's tensors")
@@ -113,7 +159,7 @@ def one_server(model: Path, mode: str, daemon: str, tmp: Path) -> dict[str, floa
             proc.kill()
             proc.wait()
         reader.join(10)
-    return ends
+    return ends, reply
 
 
 def drop_caches() -> None:
@@ -126,6 +172,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cold", action="store_true", help="drop the page cache each time")
+    parser.add_argument("--threads", action="store_true", help="list each server's threads")
     parser.add_argument("--modes", default="default,weightcache", help=f"of {','.join(MODES)}")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="wc-vllm-serve-") as name:
@@ -139,12 +186,14 @@ def main() -> None:
             print(f"daemon (--recipe vllm, export included) ready in {ready:.1f} s")
             modes = args.modes.split(",")
             runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+            replies: dict[str, set[str]] = {mode: set() for mode in modes}
             for round_ in range(args.rounds):
                 for mode in modes:
                     if args.cold:
                         drop_caches()
-                    ends = one_server(model, mode, daemon_socket, tmp)
+                    ends, reply = one_server(model, mode, daemon_socket, tmp, args.threads)
                     runs[mode].append(ends)
+                    replies[mode].add(reply)
                     print(f"  round {round_} {mode:<12} " + json.dumps(ends, default=round))
         finally:
             daemon.terminate()
@@ -159,6 +208,10 @@ def main() -> None:
         ratio = medians[0] / medians[-1] if medians[-1] else float("nan")
         print(f"{phase:<30}" + "".join(f"{v:>16.2f}" for v in medians) + f"  {ratio:.2f}x")
     print(f"load average {os.getloadavg()[0]:.1f}; {'cold' if args.cold else 'warm'} page cache")
+    for mode, texts in replies.items():
+        print(f"replies {mode:<20} {sorted(texts)!r}")
+    same = len(set().union(*replies.values())) == 1
+    print(f"every mode's every reply the same: {same}")
 
 
 if __name__ == "__main__":
