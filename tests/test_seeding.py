@@ -143,8 +143,9 @@ def room() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _checkpoint(root: Path, big: bool) -> Path:
-    """A sharded checkpoint: the harness's small one, or (``big``) two 4 MiB shards."""
+def _checkpoint(root: Path, big: bool, per_shard: int = 4) -> Path:
+    """A sharded checkpoint: the harness's small one, or (``big``) two shards of
+    ``per_shard`` float32 tensors of 1 MiB."""
     if not big:
         return make_checkpoints(root / "ck").sharded
     folder = root / "big"
@@ -154,7 +155,8 @@ def _checkpoint(root: Path, big: bool) -> Path:
     for shard in (1, 2):
         name = f"model-0000{shard}-of-00002.safetensors"
         tensors = {
-            f"layers.{shard}.{i}.weight": torch.randn(256, 1024, generator=gen) for i in range(4)
+            f"layers.{shard}.{i}.weight": torch.randn(256, 1024, generator=gen)
+            for i in range(per_shard)
         }
         save_file(tensors, str(folder / name))
         weight_map.update(dict.fromkeys(tensors, name))
@@ -170,8 +172,8 @@ def pki(room: Path, link: Link) -> Pki:
     return make_pki(room / "pki", [link.a_ip])
 
 
-def _nodes(room: Path, link: Link, big: bool = False) -> tuple[Node, Node]:
-    source = _checkpoint(room, big)
+def _nodes(room: Path, link: Link, big: bool = False, per_shard: int = 4) -> tuple[Node, Node]:
+    source = _checkpoint(room, big, per_shard)
     nodes = []
     for ns, name in ((link.ns_a, "a"), (link.ns_b, "b")):
         folder = room / name

@@ -57,8 +57,11 @@ def _serving(pki: Pki, link: Link, *extra: str) -> list[str]:
 def test_seeds_through_the_transfer_engine_from_a_peer_that_offers_it(
     room: Path, link: Link, pki: Pki
 ) -> None:
-    a_node, b_node = _nodes(room, link)
-    seeding = [*_seeding_args(pki, link), "--seed-plane", "mooncake"]
+    # 20 MiB over one connection: four 5 MiB pieces, each two slots (4 MiB and 1 MiB), eight
+    # ranges, twice the peer's ring (4 slots): each slot is staged again after the seeder
+    # asked past it (the ask is the acknowledgement).
+    a_node, b_node = _nodes(room, link, big=True, per_shard=10)
+    seeding = [*_seeding_args(pki, link), "--seed-plane", "mooncake", "--seed-streams", "1"]
     with (
         _running(a_node, _serving(pki, link, "--seed-mooncake")) as a,
         _running(b_node, seeding) as b,
@@ -72,10 +75,9 @@ def test_seeds_through_the_transfer_engine_from_a_peer_that_offers_it(
     peer = f"{link.a_ip}:{PORT}"
     assert (model.state, model.source) == (pb.MODEL_STATE_READY, f"peer {peer}")
     assert model.fingerprint.digest == _model_digest(a_node)
-    # One piece per shard, both from A, none dropped.
-    assert (seeded["plane"], seeded["pieces"], seeded["dropped"]) == ("mooncake", {peer: 2}, {})
+    assert (seeded["plane"], seeded["pieces"], seeded["dropped"]) == ("mooncake", {peer: 4}, {})
     assert seeded["bytes"] == model.size_bytes
-    assert worker == {"source": "cache", "tensors": 9}
+    assert worker == {"source": "cache", "tensors": 20}
     assert _events(b, SEED_FAILED) == []  # no fallback to the files
     assert served == []
     assert mapped == (True, True)  # the engine, at both ends

@@ -40,7 +40,6 @@ whose UUID cannot be read), 2 when ``--device`` names no device.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import sys
@@ -654,8 +653,14 @@ def _exit_now(status: int) -> NoReturn:
 
     logging.shutdown()  # flushes and closes the handlers (the stdlib side of the log)
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
+        try:
             stream.flush()
+        except BrokenPipeError:
+            pass  # a reader gone (`| head`): what it wanted it had
+        except (OSError, ValueError):
+            # Output lost (a full disk, a closed stream): never exit 0 over it. 120 is
+            # what CPython's own exit returns when flushing the standard streams fails.
+            status = status or 120
     os._exit(status)
 
 

@@ -35,21 +35,17 @@ same code serves with the engine's ``rdma`` protocol (:data:`PROTOCOL`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import mmap
 import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import structlog
 
 from weightcache_service.dataplane import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_STALL_TIMEOUT,
     StalledError,
     TransferError,
 )
@@ -59,6 +55,7 @@ from weightcache_service.sendfile_plane import (
     KEEP_OPEN,
     MORE,
     RANGE,
+    SendfileReader,
 )
 
 log = structlog.get_logger("weightcache.daemon")
@@ -228,7 +225,7 @@ class MooncakeStager:
         return ring.address + at
 
 
-class MooncakeReader:
+class MooncakeReader(SendfileReader):
     """The seeding side: one kept data connection asking ranges to be staged, and the
     transfer engine reading each slot (:class:`.seed_sources.Reader`). Connects at the
     first :meth:`read` (the secret's single use).
@@ -242,30 +239,18 @@ class MooncakeReader:
             :data:`SLOT_BYTES`).
         stall_timeout: seconds within which each staged slot must be answered.
         cancelled: turns true when the seed must stop (checked between slots).
+
+    :meth:`abort` is :class:`.sendfile_plane.SendfileReader`'s: a read in flight fails at
+    its next slot (a transfer in flight ends first: the engine's call cannot be
+    interrupted).
     """
 
-    def __init__(
-        self,
-        address: str,
-        port: int,
-        secret: bytes,
-        into: Callable[[int, int, Callable[[memoryview], None]], None],
-        *,
-        progress: Callable[[int], None] = lambda _n: None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-        cancelled: Callable[[], bool] = lambda: False,
-    ) -> None:
-        self.address, self.port, self.secret = address, port, secret
-        self.into = into
-        self.progress = progress
-        self.chunk_bytes = chunk_bytes
-        self.stall_timeout = stall_timeout
-        self.cancelled = cancelled
-        self._sock: socket.socket | None = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The connection's state and its abort are SendfileReader's; the staging buffer
+        # and the peer's engine session are this plane's own.
+        super().__init__(*args, **kwargs)
         self._session = ""
         self._staging: StagingBuffer | None = None
-        self._aborted = False
 
     def read(self, offset: int, length: int) -> None:
         """Have ``[offset, offset + length)`` staged slot by slot, read each slot, and put
@@ -330,13 +315,26 @@ class MooncakeReader:
         status, size = ENGINE.unpack(self._recv(ENGINE.size))
         if status != OFFERED:
             raise TransferError(NOT_OFFERED_WHY)
-        self._session = self._recv(size).decode("ascii")
+        self._session = self._peer_session(self._recv(size))
         assert self._sock is not None
         local = str(self._sock.getsockname()[0])
         try:
             self._staging = StagingBuffer.acquire(transfer_engine(local), SLOT_BYTES)
         except (ImportError, OSError) as exc:
             raise TransferError(f"the local transfer engine: {exc}") from None
+
+    def _peer_session(self, raw: bytes) -> str:
+        """The engine session to read from: the port the peer named, on the address this
+        connection reached (the peer must not point this daemon's engine at another host).
+
+        Raises:
+            TransferError: the session id is not ``HOST:PORT`` with a port in 1..65535.
+        """
+        _, _, port = raw.decode("ascii", "replace").rpartition(":")
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            raise TransferError(f"the peer's engine session {raw[:64]!r} is not HOST:PORT")
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{int(port)}"
 
     def _slot(self, offset: int, length: int) -> None:
         """Read the next staged slot (``length`` bytes of the arena at ``offset``)."""
@@ -354,14 +352,6 @@ class MooncakeReader:
 
         self.into(offset, n, fill)
         self.progress(n)
-
-    def abort(self) -> None:
-        """Make a :meth:`read` in flight fail at its next slot (a transfer in flight
-        ends first: the engine's call cannot be interrupted)."""
-        self._aborted = True
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Close the connection (the peer releases its ring) and release the staging

@@ -215,9 +215,11 @@ class Swarm:
             for k in range(s.connections)
         ]
         self._workers = len(threads)
-        for thread in threads:
-            thread.start()
+        started: list[threading.Thread] = []
         try:
+            for thread in threads:
+                thread.start()  # may raise (a pids limit): the started ones are joined
+                started.append(thread)
             with self._cond:
                 while not self._over():
                     self._cond.wait(WATCH_INTERVAL)
@@ -227,8 +229,16 @@ class Swarm:
                 if self._failed is not None:
                     for reader in self._readers.values():
                         reader.abort()  # no read runs on past its piece
+        except BaseException:
+            with self._cond:
+                self._failed = self._failed or SwarmFailedError("transfer", "seed aborted")
+                self._workers -= len(threads) - len(started)
+                for reader in self._readers.values():
+                    reader.abort()
+                self._cond.notify_all()
+            raise
         finally:
-            for thread in threads:
+            for thread in started:
                 thread.join()
             self._hashers.shutdown(wait=True, cancel_futures=True)
         if self._failed is not None:
@@ -256,6 +266,12 @@ class Swarm:
                 except TransferError as exc:
                     result = "stalled" if isinstance(exc, StalledError) else "transfer"
                     self._drop(source, result, str(exc), k)
+                    return
+                except Exception as exc:
+                    # A fault that is not the transfer's (a malformed answer, a write into
+                    # the arena) must still drop the source: a worker that died without it
+                    # would strand the source's last piece and hang the others in _take.
+                    self._drop(source, "transfer", repr(exc), k)
                     return
         finally:
             if reader is not None:

@@ -473,7 +473,8 @@ class Seeder:
         return SendfilePlane(
             address,
             begun.data_port,
-            list(begun.data_secrets),
+            # The peer decides how many secrets it sends: no more connections than asked.
+            list(begun.data_secrets[: self.streams]),
             into,
             progress=progress,
             chunk_bytes=self.chunk_bytes,
@@ -609,7 +610,10 @@ class PeerSource:
         self.entry = entry
         self.arena = arena
         self.tcp = bool(begun.data_port and begun.data_secrets)
-        self.connections = len(begun.data_secrets) if self.tcp else seeder.streams
+        # A peer's answer must not decide how many threads this daemon starts.
+        self.connections = (
+            min(len(begun.data_secrets), seeder.streams) if self.tcp else seeder.streams
+        )
         self._ended = False
 
     def _progress(self, nbytes: int) -> None:
@@ -633,21 +637,11 @@ class PeerSource:
             TransferError: ``--seed-plane mooncake`` and the peer offers no data port.
         """
         seeder, cancelled = self.seeder, lambda: self.entry.cancelled
-        if seeder.plane == "mooncake":
-            if not self.tcp:
-                raise TransferError(NOT_OFFERED_WHY)
-            return MooncakeReader(
-                self.address,
-                self.begun.data_port,
-                self.begun.data_secrets[k],
-                self._into,
-                progress=self._progress,
-                chunk_bytes=seeder.chunk_bytes,
-                stall_timeout=seeder.stall_timeout,
-                cancelled=cancelled,
-            )
+        if seeder.plane == "mooncake" and not self.tcp:
+            raise TransferError(NOT_OFFERED_WHY)
         if self.tcp:
-            return SendfileReader(
+            kind = MooncakeReader if seeder.plane == "mooncake" else SendfileReader
+            return kind(
                 self.address,
                 self.begun.data_port,
                 self.begun.data_secrets[k],

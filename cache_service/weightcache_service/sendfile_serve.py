@@ -231,9 +231,10 @@ class SendfileServer:
                 await self._send(grant, ranges, reader, writer, keep=keep)
         except WeightCacheError as err:
             log.warning("seed data connection refused", peer=address, why=err.detail)
-        except (OSError, TimeoutError, RuntimeError, ImportError) as exc:
+        except (OSError, TimeoutError, RuntimeError, ImportError, EOFError) as exc:
             # RuntimeError: asyncio's sendfile on a transport the seeder reset meanwhile
-            # ("Transport is closing").
+            # ("Transport is closing"); EOFError: asyncio.IncompleteReadError, a seeder
+            # gone in the middle of a batch's header.
             log.warning("seed data connection ended", peer=address, why=str(exc) or "stalled")
         finally:
             self._writers.discard(writer)
@@ -290,12 +291,12 @@ class SendfileServer:
                     if (
                         any(o + n > entry.size for o, n in ranges)
                         or total > MAX_CONNECTION_BYTES * entry.size
-                        or count > MAX_RANGES
+                        or count > _max_ranges(entry.size)
                     ):
                         raise InvalidArgumentError(
                             f"the ranges asked pass the {entry.size}-byte arena, or "
-                            f"{MAX_CONNECTION_BYTES} times its size or {MAX_RANGES} ranges "
-                            "on one connection"
+                            f"{MAX_CONNECTION_BYTES} times its size or "
+                            f"{_max_ranges(entry.size)} ranges on one connection"
                         )
                     early = await self._ranges(grant, ranges, file, reader, writer)
                     if early is None or not keep:
@@ -429,3 +430,11 @@ class SendfileServer:
             return b""
         finally:
             closed.cancel()
+
+
+def _max_ranges(size: int) -> int:
+    """How many ranges one connection may ask of a ``size``-byte arena in all:
+    :data:`MAX_RANGES`, and one more per MiB of the bytes it may ask (a kept connection
+    of a seed from several peers asks a range per piece, 1 to 16 MiB each, so a fixed
+    count would stop an honest one on a large arena)."""
+    return MAX_RANGES + (MAX_CONNECTION_BYTES * size) // (1 << 20)
