@@ -27,6 +27,17 @@ READINESS = "readiness"
 #: Largest response, in bytes, the daemon sends and the SDK accepts: an AcquireResponse of
 #: a model with very many tensors.
 MAX_RESPONSE_BYTES = 256 * 2**20
+#: Every SDK channel's options. A subchannel pool of the channel's own: by default gRPC
+#: shares one connection among the channels of a process with the same target and
+#: options, and a forked child's new channel could then take the connection of a channel
+#: it inherited (``forking.abandon_channels`` keeps those untouched), whose descriptor is
+#: the parent's: the child's call failed with "Wrong file descriptor generation" (1 child
+#: of 20 in ``tests/test_fork.py``, 2026-12-05). One channel per socket per process
+#: (:func:`shared`) gives up nothing by it.
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
+    ("grpc.use_local_subchannel_pool", 1),
+)
 
 
 def target(socket: str) -> str:
@@ -47,9 +58,7 @@ def connect(socket: str) -> tuple[grpc.Channel, pb_grpc.WeightCacheServiceStub]:
     except PermissionError as exc:
         raise DaemonUnavailableError(socket_denied(socket, exc.strerror)) from None
     with calling():
-        channel = grpc.insecure_channel(
-            target(socket), options=[("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
-        )
+        channel = grpc.insecure_channel(target(socket), options=CHANNEL_OPTIONS)
         opened_channel(channel)
     return channel, pb_grpc.WeightCacheServiceStub(channel)
 
