@@ -173,16 +173,22 @@ def pki(room: Path, link: Link) -> Pki:
 
 
 def _nodes(room: Path, link: Link, big: bool = False, per_shard: int = 4) -> tuple[Node, Node]:
-    source = _checkpoint(room, big, per_shard)
+    a, b = _copies(room, _checkpoint(room, big, per_shard), [link.ns_a, link.ns_b])
+    return a, b
+
+
+def _copies(room: Path, source: Path, namespaces: list[str]) -> list[Node]:
+    """A node per namespace (folders ``a``, ``b``, ...), each with its own copy of
+    ``source``."""
     nodes = []
-    for ns, name in ((link.ns_a, "a"), (link.ns_b, "b")):
+    for ns, name in zip(namespaces, "abc", strict=False):
         folder = room / name
         folder.mkdir()
         model = folder / source.name
         shutil.copytree(source, model)
         wait_until_settled(model)
         nodes.append(Node(ns, folder, model))
-    return nodes[0], nodes[1]
+    return nodes
 
 
 def _start(node: Node, args: list[str]) -> Daemon:

@@ -10,7 +10,6 @@ skipped, saying so.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from tests.test_seeding import (
     SEED_FAILED,
     Node,
     _checkpoint,
+    _copies,
     _events,
     _ip,
     _model,
@@ -35,7 +35,6 @@ from tests.test_seeding import (
     netns_only,
     room,
 )
-from weightcache.testing.checkpoints import wait_until_settled
 from weightcache.testing.daemon import Daemon
 from weightcache.v1 import weight_cache_service_pb2 as pb
 
@@ -93,16 +92,8 @@ def pki3(room: Path, trio: Trio) -> Pki:
 
 
 def _three(room: Path, trio: Trio, big: bool = False) -> tuple[Node, Node, Node]:
-    source = _checkpoint(room, big)
-    nodes = []
-    for ns, name in ((trio.ns_a, "a"), (trio.ns_b, "b"), (trio.ns_c, "c")):
-        folder = room / name
-        folder.mkdir()
-        model = folder / source.name
-        shutil.copytree(source, model)
-        wait_until_settled(model)
-        nodes.append(Node(ns, folder, model))
-    return nodes[0], nodes[1], nodes[2]
+    a, b, c = _copies(room, _checkpoint(room, big), [trio.ns_a, trio.ns_b, trio.ns_c])
+    return a, b, c
 
 
 def _serving(pki: Pki, ip: str, *extra: str) -> list[str]:
