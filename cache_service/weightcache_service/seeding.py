@@ -26,6 +26,7 @@ logs why and the model is loaded from its own files.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import os
@@ -248,11 +249,8 @@ class Seeder:
             plane = self._plane(channel, begun, address, entry, arena)
 
             def write(offset: int, data: memoryview) -> None:
-                def fill(out: memoryview) -> None:
-                    out[:] = data
-
-                arena.read_into(Slot("seed", "U8", (len(data),), offset, len(data)), fill)
-                entry.bytes_done = min(entry.bytes_done + len(data), entry.data_bytes)
+                write_received(arena, offset, data)
+                count_received(entry, len(data))
 
             pulled = time.monotonic()
             if isinstance(arena, SharedMemoryArena):
@@ -464,19 +462,13 @@ class Seeder:
         if not (begun.data_port and begun.data_secrets):
             return GrpcStreamPlane(channel, self.streams, self.chunk_bytes, self.stall_timeout)
 
-        def into(offset: int, length: int, fill: Callable[[memoryview], None]) -> None:
-            arena.read_into(Slot("seed", "U8", (length,), offset, length), fill)
-
-        def progress(nbytes: int) -> None:
-            entry.bytes_done = min(entry.bytes_done + nbytes, entry.data_bytes)
-
         return SendfilePlane(
             address,
             begun.data_port,
             # The peer decides how many secrets it sends: no more connections than asked.
             list(begun.data_secrets[: self.streams]),
-            into,
-            progress=progress,
+            functools.partial(fill_received, arena),
+            progress=functools.partial(count_received, entry),
             chunk_bytes=self.chunk_bytes,
             stall_timeout=self.stall_timeout,
         )
@@ -540,6 +532,28 @@ class Seeder:
                 entry.checkpoint, entry.pipeline, entry.placement
             )
             entry.file_sha256 = {}
+
+
+def fill_received(
+    arena: Arena, offset: int, length: int, fill: Callable[[memoryview], None]
+) -> None:
+    """Let ``fill`` write ``length`` received bytes at ``offset`` of the seeded arena (every
+    plane's ``into``)."""
+    arena.read_into(Slot("seed", "U8", (length,), offset, length), fill)
+
+
+def write_received(arena: Arena, offset: int, data: memoryview) -> None:
+    """Copy ``data``, received, to ``offset`` of the seeded arena."""
+
+    def fill(out: memoryview) -> None:
+        out[:] = data
+
+    fill_received(arena, offset, len(data), fill)
+
+
+def count_received(entry: Entry, nbytes: int) -> None:
+    """Count ``nbytes`` more received in the load's progress (never past its size)."""
+    entry.bytes_done = min(entry.bytes_done + nbytes, entry.data_bytes)
 
 
 def shard_ranges(entry: Entry) -> tuple[list[str], list[tuple[int, int]]]:
@@ -617,17 +631,14 @@ class PeerSource:
         self._ended = False
 
     def _progress(self, nbytes: int) -> None:
-        self.entry.bytes_done = min(self.entry.bytes_done + nbytes, self.entry.data_bytes)
+        count_received(self.entry, nbytes)
 
     def _into(self, offset: int, length: int, fill: Callable[[memoryview], None]) -> None:
-        self.arena.read_into(Slot("seed", "U8", (length,), offset, length), fill)
+        fill_received(self.arena, offset, length, fill)
 
     def _write(self, offset: int, data: memoryview) -> None:
-        def fill(out: memoryview) -> None:
-            out[:] = data
-
-        self._into(offset, len(data), fill)
-        self._progress(len(data))
+        write_received(self.arena, offset, data)
+        count_received(self.entry, len(data))
 
     def open(self, k: int) -> Reader:
         """Connection ``k``: a kept sendfile data connection (its ``k``-th secret), a
