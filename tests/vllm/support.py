@@ -76,16 +76,25 @@ def run_engine(
     dtype: str = "float32",
     hf_overrides: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> EngineRun:
     """Run ``python -m weightcache.testing.vllm_engine`` and return what it saved
     (``hf_overrides``: vLLM's, over the model's ``config.json``; ``env``: variables set
-    for it).
+    for it; ``tensor_parallel_size``: vLLM's ranks).
 
     Raises:
         EngineError: it exited non-zero or ran over :data:`ENGINE_TIMEOUT`.
     """
     done = _engine(
-        model, task, load_format, out, extra or {}, dtype=dtype, overrides=hf_overrides, env=env
+        model,
+        task,
+        load_format,
+        out,
+        extra or {},
+        dtype=dtype,
+        overrides=hf_overrides,
+        env=env,
+        tensor_parallel_size=tensor_parallel_size,
     )
     log = done.stdout + done.stderr
     if done.returncode != 0:
@@ -122,8 +131,10 @@ def _engine(
     dtype: str = "float32",
     overrides: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "weightcache.testing.vllm_engine", str(model)]
+    command += ["--tensor-parallel-size", str(tensor_parallel_size)]
     command += ["--task", task, "--load-format", load_format, "--out", str(out)]
     command += ["--dtype", dtype, "--hf-overrides", json.dumps(overrides or {})]
     command += ["--extra", json.dumps(extra)]

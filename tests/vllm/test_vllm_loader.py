@@ -10,6 +10,7 @@ outputs are the same again.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from tests.vllm.support import (
+    ATTACHED_LINE,
     ENGINE_TIMEOUT,
     EngineRun,
     cast_copy,
@@ -177,3 +179,33 @@ def test_without_fallback_the_engine_fails_with_the_reason(
     assert rc != 0
     assert f"DaemonUnavailableError: no daemon socket at {socket}" in log, log[-4000:]
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_tensor_parallel_ranks_attach_the_checkpoint_tensors_without_fallback(
+    daemons: DaemonPool, llama: Path, tmp_path: Path
+) -> None:
+    """docs/vllm.md, "Tensor parallelism", on a 2-rank engine with ``"fallback": false``:
+    each rank is refused the vLLM-named model (``INVALID_RECIPE``, before any daemon
+    call), goes on to the checkpoint tensors, attaches the daemon's full tensors (which
+    vLLM's weight loaders shard by rank) and never falls back; the tokens are those of
+    vLLM's default loader on the same 2 ranks."""
+    daemon = daemons.start([llama])
+    # vLLM's automatic OpenMP binding wants a NUMA node per rank; give each rank a CPU.
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[-1]}"}
+    extra: dict[str, Any] = {"socket": daemon.socket, "fallback": False}
+    run = run_engine(
+        llama, "generate", WEIGHTCACHE, tmp_path / "wc.pt", extra, env=env, tensor_parallel_size=2
+    )
+    default = run_engine(
+        llama, "generate", "auto", tmp_path / "auto.pt", env=env, tensor_parallel_size=2
+    )
+
+    assert skipped_reasons(run) == ["INVALID_RECIPE", "INVALID_RECIPE"], run.log[-4000:]
+    assert run.fallback_reasons() == []
+    attached = [line for line in run.log.splitlines() if ATTACHED_LINE in line]
+    assert len(attached) == 2, run.log[-4000:]
+    assert all("source=cache" in line for line in attached)
+    assert "weightcache: tensor_parallel_size 2: every rank attaches the full tensors" in run.log
+    assert run.result["token_ids"] == default.result["token_ids"]
+    assert_no_leases(daemon.socket)

