@@ -129,3 +129,17 @@ def test_the_entry_point_names_the_register_function() -> None:
         p for p in metadata.entry_points(group="vllm.general_plugins") if p.name == "weightcache"
     ]
     assert [p.value for p in points] == ["weightcache.integrations.vllm:register"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_cpu_gemm_auto_is_vllms_repacked_choice_for_every_dtype(dtype: str) -> None:
+    """The measured default (``cpu_gemm``'s docstring): oneDNN's packed copies decode
+    faster; ``"shared"`` is asked for by name."""
+    import torch
+
+    from weightcache.integrations.vllm import cpu_gemm
+
+    assert cpu_gemm.resolve("auto", getattr(torch, dtype)) == "repacked"
+    assert cpu_gemm.resolve("shared", getattr(torch, dtype)) == "shared"
+    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
+        cpu_gemm.resolve("onednn", getattr(torch, dtype))

@@ -25,8 +25,8 @@ keys, all optional:
 - ``cpu_gemm`` (``"auto"``, ``"shared"`` or ``"repacked"``): on CPU, on the vLLM-named
   path, whether the unquantized linears run on the daemon's tensors as they are
   (``"shared"``: no copy per engine) or on vLLM's oneDNN-repacked private copies
-  (``"repacked"``, as vLLM's default loader); default ``"auto"``: shared for a bfloat16
-  model, repacked for any other
+  (``"repacked"``, as vLLM's default loader); default ``"auto"``: repacked, which
+  decodes faster where vLLM repacks
   (:mod:`weightcache.integrations.vllm.cpu_gemm` says why, ``docs/vllm.md`` gives the
   measures).
 

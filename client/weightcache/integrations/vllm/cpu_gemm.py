@@ -26,17 +26,19 @@ checkpoint-tensor path copies into the engine's own parameters anyway):
   own fallback, ``torch.nn.functional.linear`` (no copy: each engine beyond the first
   adds no weight bytes). Other weights (convolution, MoE experts) are vLLM's choice.
 
-The default, ``"auto"`` (:data:`DEFAULT`), is ``"shared"`` for a bfloat16 model and
-``"repacked"`` for any other (:func:`resolve`). Measured (``bench/vllm_gemm.py``, bf16,
-AMD EPYC with AVX-512 BF16, the second run of bench/README.md's issue 38 section, medians
-of 2 rounds; the first run's single figures are in ``docs/vllm.md``): one sequence's
-greedy decode ran as fast on
-the shared weights as on oneDNN's packed copies (4.81 against 4.86 tokens/s, the same
-tokens), ``load_model`` took 0.34 s against 1.62 s, and a second engine added 0.61 GiB of
-PSS against 1.21 GiB; under ``ONEDNN_MAX_CPU_ISA=AVX2`` vLLM does not pack bf16, so both
-modes are the same there. In float32, ``torch.nn.functional.linear`` and oneDNN's packed
-GEMM round differently (MiniLM's embeddings are not bitwise the default loader's), and
-float32 throughput was not measured: float32 keeps vLLM's choice.
+The default, ``"auto"`` (:data:`DEFAULT`), is ``"repacked"``, vLLM's choice, for every
+dtype (:func:`resolve`): it serves fastest. Measured on a quiet machine
+(``bench/vllm_gemm.py --layers 4``, bf16, AMD EPYC with AVX-512 BF16, bench/README.md
+issue 38, 2026-12-05, 05:11 and 05:15): one sequence's greedy decode ran at 50.2, then
+45.5 (median of 2) tokens/s on oneDNN's packed copies against 26.0, then 30.1 on the
+shared weights (the same tokens), so ``"shared"`` is the memory choice: ``load_model``
+0.03 s against 0.38 s, and a second engine adds 0.61 GiB of PSS (its process; no weight
+bytes) against 1.18 GiB.
+(An earlier run on a machine at load average 8 to 40 had both at about 4.8 tokens/s and
+made ``"shared"`` the bf16 default; the quiet runs reversed it.) Under
+``ONEDNN_MAX_CPU_ISA=AVX2`` vLLM does not pack bf16, so both modes hold the daemon's
+tensors there. In float32, ``torch.nn.functional.linear`` and oneDNN's packed GEMM round
+differently (MiniLM's embeddings are not bitwise the default loader's).
 """
 
 from __future__ import annotations
@@ -59,19 +61,16 @@ _DISPATCH = "dispatch_cpu_unquantized_gemm"
 
 
 def resolve(mode: str, dtype: torch.dtype) -> str:
-    """``mode``, with ``"auto"`` made ``"shared"`` for a ``torch.bfloat16`` model (the
-    measured case) and ``"repacked"`` for any other dtype.
+    """``mode``, with ``"auto"`` made ``"repacked"`` (vLLM's choice: the faster decode,
+    measured in the module docstring) whatever ``dtype`` is.
 
     Raises:
         ValueError: ``mode`` is not one of :data:`MODES`.
     """
+    del dtype  # the measured choice is the same for every dtype
     if mode not in MODES:
         raise ValueError(f"cpu_gemm must be one of {MODES}, not {mode!r}")
-    if mode != "auto":
-        return mode
-    import torch
-
-    return "shared" if dtype == torch.bfloat16 else "repacked"
+    return "repacked" if mode == "auto" else mode
 
 
 @contextlib.contextmanager
