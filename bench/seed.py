@@ -150,6 +150,20 @@ print(total[0], time.perf_counter() - start)
 """
 
 
+def print_rates(
+    results: dict[str, list[float]], size: int, baseline: float, ratio: str, width: int = 44
+) -> None:
+    """One line per path of ``results`` (its seconds per run): the median, the GB/s of
+    ``size`` bytes, ``baseline`` seconds over the median (column ``ratio``), every run."""
+    column = max(6, len(ratio) + 1)
+    print(f"{'path':{width}} {'median s':>9} {'GB/s':>6} {ratio:>{column}}   runs")
+    for key, values in results.items():
+        med = statistics.median(values)
+        runs = " ".join(f"{v:.2f}" for v in values)
+        rate = f"{size / med / 1e9:6.2f} {baseline / med:{column}.2f}"
+        print(f"{key:{width}} {med:9.2f} {rate}   {runs}")
+
+
 def bulk_link(ns_a: str, ns_b: str, a_ip: str, files: list[Path], parallel: int) -> float:
     """Seconds to move ``files`` from A to B by sendfile/recv_into over ``parallel``
     connections."""
@@ -360,12 +374,7 @@ def two_peers(args: argparse.Namespace) -> int:
             f"model: {size / (1 << 30):.2f} GiB in {SHARDS} shards; {os.cpu_count()} CPUs; "
             f"each peer's link limited to {args.two_peers} (tbf)"
         )
-        one = statistics.median(results["seed from A"])
-        print(f"{'path':40} {'median s':>9} {'GB/s':>6} {'x A':>6}   runs")
-        for key, values in results.items():
-            med = statistics.median(values)
-            runs = " ".join(f"{v:.2f}" for v in values)
-            print(f"{key:40} {med:9.2f} {size / med / 1e9:6.2f} {one / med:6.2f}   {runs}")
+        print_rates(results, size, statistics.median(results["seed from A"]), "x A", 40)
         print("x A: the seed from A alone's median seconds over this path's")
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -478,11 +487,7 @@ def main() -> int:
                 a.stop_and_check()
         print(f"model: {size / (1 << 30):.2f} GiB in {SHARDS} shards; {os.cpu_count()} CPUs")
         link = min(statistics.median(v) for k, v in results.items() if k.startswith("link"))
-        print(f"{'path':44} {'median s':>9} {'GB/s':>6} {'x link':>7}   runs")
-        for key, values in results.items():
-            med = statistics.median(values)
-            runs = " ".join(f"{v:.2f}" for v in values)
-            print(f"{key:44} {med:9.2f} {size / med / 1e9:6.2f} {link / med:7.2f}   {runs}")
+        print_rates(results, size, link, "x link")
         print("x link: the fastest link median's seconds over this path's (1.00 = link speed)")
     finally:
         shutil.rmtree(root, ignore_errors=True)

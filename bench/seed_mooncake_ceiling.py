@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from seed import IP, bulk_link, namespaces  # bench/seed.py
+from seed import IP, bulk_link, namespaces, print_rates  # bench/seed.py
 
 from weightcache.testing.daemon import short_tempdir
 
@@ -233,11 +233,7 @@ def main() -> int:
         print(f"buffer: {size / (1 << 30):.2f} GiB; {os.cpu_count()} CPUs; "
               f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
         link = statistics.median(results["link: sendfile, 4 connections"])
-        print(f"{'path':44} {'median s':>9} {'GB/s':>6} {'x link':>7}   runs")
-        for key, values in results.items():
-            med = statistics.median(values)
-            runs = " ".join(f"{v:.2f}" for v in values)
-            print(f"{key:44} {med:9.2f} {size / med / 1e9:6.2f} {link / med:7.2f}   {runs}")
+        print_rates(results, size, link, "x link")
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=False)
     return 0

@@ -90,8 +90,6 @@ MARKERS = {
 }
 #: Lines of vLLM's compilation worth printing (compiling modes).
 COMPILE_LINES = ("Compiling model again", "Directly load", "saved AOT compiled")
-#: The ``weightcache-vllm`` cache folder of the ``@kept`` modes (made in ``/dev/shm``).
-SHM_CACHE: list[Path] = []
 #: The KV cache of every server.
 KV_CACHE_BYTES = 512 * 2**20
 #: Seconds a server may take to serve.
@@ -119,9 +117,11 @@ def threads_of(pid: int) -> str:
 
 
 def one_server(
-    model: Path, mode: str, daemon: str, tmp: Path, *, threads: bool = False
+    model: Path, mode: str, daemon: str, tmp: Path, shm: Path, *, threads: bool = False
 ) -> tuple[dict[str, float], str]:
-    """Start a server in ``mode``, time its phases and first reply, stop it; the reply."""
+    """Start a server in ``mode``, time its phases and first reply, stop it; the reply
+    (``shm``: the folder ``WEIGHTCACHE_VLLM_CACHE`` names for the ``@kept`` modes run as
+    ``weightcache-vllm`` makes them, one for all of them: :func:`cache_env`)."""
     base, _, cache = mode.partition("@")
     listen = tmp / f"{base}.sock"
     listen.unlink(missing_ok=True)
@@ -135,7 +135,7 @@ def one_server(
     command += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
     command += ["--uds", str(listen), "--seed", "0"]
     env = dict(os.environ)
-    env.update(cache_env(base, cache, tmp))
+    env.update(cache_env(base, cache, tmp, shm))
     if not cache:
         command += ["--enforce-eager"]
     if base.endswith(("-uni", "-inproc")):
@@ -197,7 +197,7 @@ def one_server(
     return ends, reply
 
 
-def cache_env(base: str, cache: str, tmp: Path) -> dict[str, str]:
+def cache_env(base: str, cache: str, tmp: Path, shm: Path) -> dict[str, str]:
     """The environment that gives a server of loader ``base`` vLLM's caches ``cache``:
     ``fresh`` (empty: a new container's ``~/.cache/vllm``), ``kept`` (the last start's: for
     ``default`` a folder the user mounted, for ``weightcache`` the folder
@@ -212,7 +212,7 @@ def cache_env(base: str, cache: str, tmp: Path) -> dict[str, str]:
     if cache == "fresh":
         env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-", dir=tmp)
     elif as_the_command:
-        env["WEIGHTCACHE_VLLM_CACHE"] = str(SHM_CACHE[0])
+        env["WEIGHTCACHE_VLLM_CACHE"] = str(shm)
     else:
         env["VLLM_CACHE_ROOT"] = str(tmp / f"vllm-cache-{base}")
     return env
@@ -237,14 +237,16 @@ def main() -> None:
         print(f"model: {args.layers} layers, {nbytes / 1e9:.2f} GB bfloat16; {os.cpu_count()} CPUs")
         daemon_socket = str(sockets / "held.sock")
         daemon = start_daemon(model, daemon_socket, ["--recipe", "vllm:dtype=bfloat16"])
-        SHM_CACHE.append(Path(tempfile.mkdtemp(prefix="vllm-cache-bench-", dir="/dev/shm")))
+        # WEIGHTCACHE_VLLM_CACHE of the @kept modes run as the command makes them (shared
+        # by weightcache@kept and default-cli@kept), beside the daemon's arenas.
+        shm = Path(tempfile.mkdtemp(prefix="vllm-cache-bench-", dir="/dev/shm"))
         try:
             ready = wait_ready(daemon_socket)
             print(f"daemon (--recipe vllm, export included) ready in {ready:.1f} s")
             modes = args.modes.split(",")
             for mode in modes:
                 if mode.endswith("@kept"):  # the start before the restarts measured
-                    ends, _ = one_server(model, mode, daemon_socket, tmp)
+                    ends, _ = one_server(model, mode, daemon_socket, tmp, shm)
                     print(f"  primed {mode:<12} first reply {ends['first reply']:.1f} s")
             runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
             replies: dict[str, set[str]] = {mode: set() for mode in modes}
@@ -252,18 +254,19 @@ def main() -> None:
                 for mode in modes:
                     if args.cold:
                         drop_caches()
-                    ends, reply = one_server(model, mode, daemon_socket, tmp, threads=args.threads)
+                    ends, reply = one_server(
+                        model, mode, daemon_socket, tmp, shm, threads=args.threads
+                    )
                     runs[mode].append(ends)
                     replies[mode].add(reply)
                     print(f"  round {round_} {mode:<16} " + json.dumps(ends, default=round))
         finally:
             daemon.terminate()
             daemon.wait(60)
-            kept = SHM_CACHE.pop()
-            size = sum(f.stat().st_size for f in kept.rglob("*") if f.is_file())
+            size = sum(f.stat().st_size for f in shm.rglob("*") if f.is_file())
             if size:
                 print(f"weightcache-vllm's kept vLLM caches: {size / 2**20:.1f} MiB")
-            shutil.rmtree(kept)
+            shutil.rmtree(shm)
     phases = [*MARKERS, "serving", "first reply"]
     print(f"{'seconds since spawn (median)':<30}" + "".join(f"{m:>16}" for m in runs) + "  ratio")
     for phase in phases:

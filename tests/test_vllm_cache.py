@@ -19,6 +19,7 @@ from weightcache.integrations.vllm.vllm_cache import (
     WEIGHTCACHE_VLLM_CACHE,
     chosen_folder,
     keep_caches,
+    private_folder,
 )
 
 
@@ -64,16 +65,20 @@ def refused(folder: Path, capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().err
 
 
-def test_a_symbolic_link_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def link(tmp_path: Path) -> Path:
+    """A symbolic link to a folder that would pass every other check."""
     target = tmp_path / "elsewhere"
     target.mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(target)
+    return tmp_path / "link"
 
-    err = refused(tmp_path / "link", capsys)
+
+def test_a_symbolic_link_is_refused(link: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(link, capsys)
 
     assert err == (
-        "weightcache-vllm: vLLM's caches stay in its default folder: "
-        f"{tmp_path / 'link'} is not a directory\n"
+        f"weightcache-vllm: vLLM's caches stay in its default folder: {link} is not a directory\n"
     )
 
 
@@ -126,16 +131,9 @@ def test_a_parent_others_may_write_is_refused_unless_sticky(
     assert keep_caches({WEIGHTCACHE_VLLM_CACHE: str(parent / "cache")}) == str(parent / "cache")
 
 
-def test_a_trailing_slash_does_not_follow_a_link(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    target = tmp_path / "elsewhere"
-    target.mkdir(mode=0o700)
-    (tmp_path / "link").symlink_to(target)
-
-    err = refused(Path(f"{tmp_path / 'link'}/"), capsys)
-
-    assert err.endswith(f"{tmp_path / 'link'} is not a directory\n")
+def test_a_trailing_slash_does_not_follow_a_link(link: Path) -> None:
+    # private_folder itself: keep_caches's abspath already drops the slash.
+    assert private_folder(f"{link}/") == f"{link} is not a directory"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a noexec tmpfs needs root")

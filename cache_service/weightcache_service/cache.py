@@ -13,7 +13,6 @@ edge. (Named ``cache``, not ``daemon``: ``server.Daemon`` is the process.)
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable
 
@@ -25,8 +24,6 @@ from weightcache.core.errors import (
     ModelLoadingError,
     ModelNotFoundError,
 )
-from weightcache.core.fingerprint import Level
-from weightcache.core.recipe import Placement, Recipe
 from weightcache.core.records import (
     Acquisition,
     Environment,
@@ -51,7 +48,7 @@ from weightcache_service.loading import Loader
 from weightcache_service.options import ServiceOptions
 from weightcache_service.peers import Connection
 from weightcache_service.revocation import Revocation
-from weightcache_service.store import Entry, Refusal, Store
+from weightcache_service.store import Entry, Store
 
 log = structlog.get_logger("weightcache.daemon")
 
@@ -99,6 +96,12 @@ class WeightCache:
         self.loader = Loader(
             store, options, self._events, self.admission.check_opened, self.unlinked_bytes
         )
+        #: Loading is the loader's alone: these are its methods, not copies of their
+        #: signatures (:meth:`.Loader.begin_load`, :meth:`.Loader.refuse`: a start-up model
+        #: refused before it held anything, :meth:`.Loader.wait_loads`: at shutdown).
+        self.begin_load = self.loader.begin_load
+        self.refuse = self.loader.refuse
+        self.wait_loads = self.loader.wait_loads
         #: Evictions, revocations, reaping, unlinked arenas (:mod:`.revocation`).
         self.revocation = Revocation(
             store,
@@ -120,43 +123,6 @@ class WeightCache:
     @events.setter
     def events(self, events: CacheEvents) -> None:
         self._events = self.grants.events = self.revocation.events = self.loader.events = events
-
-    # -- loading ---------------------------------------------------------------------
-
-    async def begin_load(
-        self,
-        path: str,
-        recipe: Recipe,
-        placement: Placement,
-        level: Level,
-        *,
-        confine: bool = False,
-        name: str | None = None,
-        seed_from: str = "",
-    ) -> tuple[Entry, asyncio.Task[None]]:
-        """Validate and fingerprint a checkpoint, then start loading it:
-        :meth:`.Loader.begin_load` (its Raises)."""
-        return await self.loader.begin_load(
-            path, recipe, placement, level, confine=confine, name=name, seed_from=seed_from
-        )
-
-    def refuse(
-        self,
-        path: str,
-        recipe: Recipe,
-        placement: Placement,
-        level: Level,
-        err: Exception,
-        *,
-        name: str | None = None,
-    ) -> Refusal:
-        """Keep a start-up model refused before it held anything, listed FAILED:
-        :meth:`.Loader.refuse`."""
-        return self.loader.refuse(path, recipe, placement, level, err, name=name)
-
-    async def wait_loads(self) -> None:
-        """Wait for every load in progress to end (at shutdown): :meth:`.Loader.wait_loads`."""
-        await self.loader.wait_loads()
 
     # -- hand-over -------------------------------------------------------------------------
 
